@@ -1,0 +1,101 @@
+"""Every configuration key, its default and what it means: the one place they are defined.
+
+A config file (configs/*.py) starts from `get_config()` here and changes only what
+differs. `python train.py --help` prints this table.
+"""
+import ml_collections
+
+from MaxOffload.offload.names import VOCABULARY
+
+# section -> key -> (default, meaning). A default of None needs a type: (None, type, meaning).
+SCHEMA = {
+    "run": {
+        "output_dir": ("runs/default", "directory for config.json, metrics.jsonl, TensorBoard events, summary.json"),
+        "seed": (0, "seed for parameter initialisation and data order"),
+        "dry_run": (False, "validate, build the model abstractly, report sizes, exit without compiling"),
+        "log_every": (10, "print a progress line every N steps (metrics files get every step)"),
+    },
+    "train": {
+        "steps": (100, "number of optimizer steps"),
+        "per_device_batch_size": (8, "sequences per device per step"),
+        "seq_len": (256, "tokens per sequence"),
+        "learning_rate": (3e-4, "peak learning rate, reached after the warmup"),
+        "warmup_steps": (10, "linear warmup from 0 to learning_rate"),
+        "final_lr_ratio": (0.1, "cosine decay ends at learning_rate * final_lr_ratio at the last step"),
+        "weight_decay": (0.1, "AdamW decoupled weight decay (not applied to norms, biases, embeddings)"),
+        "decay_embeddings": (False, "also apply weight decay to the token embedding / unembedding"),
+        "adam_b1": (0.9, "AdamW beta1"),
+        "adam_b2": (0.95, "AdamW beta2"),
+        "adam_eps": (1e-8, "AdamW epsilon"),
+        "grad_clip_norm": (1.0, "clip gradients to this global norm (0 disables clipping)"),
+        "eval_every": (50, "evaluate on the held-out split every N steps (0 disables; always at the end)"),
+        "eval_batches": (4, "batches per evaluation"),
+    },
+    "model": {
+        "family": ("llama", "model family: llama"),
+        "vocab_size": (512, "vocabulary size (embedding rows); must cover the tokenizer"),
+        "emb_dim": (256, "model width d_model"),
+        "num_layers": (4, "number of decoder layers"),
+        "num_heads": (8, "query heads"),
+        "num_kv_heads": (4, "key/value heads (grouped-query attention); divides num_heads"),
+        "head_dim": (32, "dimension per attention head"),
+        "mlp_dim": (704, "hidden size of the SwiGLU MLP"),
+        "norm_eps": (1e-5, "RMSNorm epsilon"),
+        "rope_theta": (10000.0, "RoPE base frequency"),
+        "rope_scaling": ("none", "RoPE frequency scaling: none | llama3 (Llama 3.1)"),
+        "rope_factor": (8.0, "llama3 scaling: factor for low frequencies"),
+        "rope_low_freq_factor": (1.0, "llama3 scaling: low_freq_factor"),
+        "rope_high_freq_factor": (4.0, "llama3 scaling: high_freq_factor"),
+        "rope_original_max_len": (8192, "llama3 scaling: original context length"),
+        "tie_embeddings": (False, "share the token embedding with the output projection"),
+        "param_dtype": ("float32", "parameter (and optimizer state) dtype: float32 | bfloat16"),
+        "compute_dtype": ("bfloat16", "matmul/activation dtype: float32 | bfloat16"),
+        "scan_layers": (True, "scan over layers (compile time flat in depth); false = Python loop"),
+        "init_std": (0.02, "standard deviation of the normal weight initialiser"),
+    },
+    "remat": {
+        "policy": ("full", "activation policy preset: full | minimal | minimal_offloaded | qkv_proj_offloaded "
+                           "| save_qkv_proj | save_out_proj | save_dot_except_mlp | save_dot_except_mlpwi "
+                           "| save_dot_with_context_except_mlp | minimal_with_context | save_all | custom"),
+        "tensors": {name: ("", f"remat | device | offload, or empty to follow the policy: {doc}")
+                    for name, doc in VOCABULARY.items()},
+    },
+    "data": {
+        "source": ("text", "text (byte-level tokens of data.text_files) | synthetic (seeded random tokens)"),
+        "text_files": ([], "UTF-8 text files to train on; empty = Python's own bundled documentation"),
+        "eval_fraction": (0.05, "fraction of documents held out for evaluation"),
+    },
+    "hardware": {
+        "peak_tflops_per_device": (0.0, "bf16 peak TFLOP/s per device for MFU; 0 = look up the device kind"),
+    },
+}
+
+
+def _build(schema):
+    cfg = ml_collections.ConfigDict()
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            cfg[key] = _build(spec)
+        elif len(spec) == 3:
+            cfg[key] = ml_collections.config_dict.placeholder(spec[1])
+        else:
+            cfg[key] = spec[0]
+    return cfg
+
+
+def get_config():
+    """The defaults as a locked ConfigDict: config files may change values, not invent keys."""
+    cfg = _build(SCHEMA)
+    cfg.lock()
+    return cfg
+
+
+def docs(schema=SCHEMA, prefix=""):
+    """[(dotted key, default, meaning)] for --help and the README."""
+    rows = []
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            rows += docs(spec, f"{prefix}{key}.")
+        else:
+            rows.append((prefix + key, spec[0], spec[-1]))
+    return rows

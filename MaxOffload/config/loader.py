@@ -1,0 +1,170 @@
+"""Command line -> validated ConfigDict: `CONFIG.py[:ARG] [a.b=value | --config.a.b=value ...]`.
+
+Every problem raises ConfigError with one line that names the key or file and the fix;
+the entry points turn it into a message on stderr and exit status 2.
+"""
+import ast
+import difflib
+import importlib.util
+import os
+
+import ml_collections
+
+
+class ConfigError(Exception):
+    """A user mistake in a config file or override; the message is the whole story."""
+
+
+def flat_keys(cfg, prefix=""):
+    keys = []
+    for key, value in cfg.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            keys += flat_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def suggest(word, choices):
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def load_file(spec):
+    """Runs get_config([ARG]) of `path[:ARG]`."""
+    path, _, arg = spec.partition(":")
+    if not path.endswith(".py"):
+        raise ConfigError(f"config {path!r} is not a Python file; pass a file such as configs/quickstart.py")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} not found; check the path (configs/ lists the recipes)")
+    module_spec = importlib.util.spec_from_file_location("maxoffload_user_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: report, don't dump our stack
+        raise ConfigError(f"config file {path} failed to load: {type(e).__name__}: {e}") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"config file {path} defines no get_config(); add one that returns a ConfigDict")
+    try:
+        cfg = module.get_config(arg) if arg else module.get_config()
+    except ConfigError:
+        raise
+    except Exception as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{path}: get_config({arg!r}) failed: {type(e).__name__}: {detail}") from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}; return a ConfigDict "
+                          "(start from MaxOffload.config.defaults.get_config())")
+    return cfg
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_value(key, text, current, field_type):
+    """Parses `text` to the type of the field `key` (whose value is `current`)."""
+    if text.lower() in ("none", "null"):
+        if current is None:
+            return None
+        raise ConfigError(f"{key} cannot be None; give a {field_type.__name__} value")
+    if field_type is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{key} expects true or false, got {text!r}")
+    if field_type is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key} expects an integer, got {text!r}") from None
+    if field_type is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{key} expects a number, got {text!r}") from None
+    if field_type in (list, tuple):
+        if text.startswith(("[", "(")):
+            try:
+                items = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                raise ConfigError(f"{key} expects a list such as [a,b] or a,b; could not parse {text!r}") from None
+        else:
+            items = [t for t in text.split(",") if t]
+        return field_type(items)
+    return text
+
+
+def apply_override(cfg, key, text):
+    known = flat_keys(cfg)
+    if key not in known:
+        raise ConfigError(f"unknown config key {key!r}{suggest(key, known)}; `python train.py --help` lists all keys")
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    field_type = node.get_type(leaf)
+    value = parse_value(key, text, node[leaf], field_type)
+    try:
+        node[leaf] = value
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot set {text!r}: {e}") from None
+
+
+def split_overrides(args):
+    """['a.b=1', '--config.c=2', '--config.d', '3'] -> [('a.b', '1'), ('c', '2'), ('d', '3')]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--config."):
+            body = arg[len("--config."):]
+            if "=" not in body:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"{arg} has no value; write {arg}=VALUE")
+                body = f"{body}={args[i + 1]}"
+                i += 1
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg!r}; overrides look like model.num_layers=8 "
+                              "or --config.model.num_layers=8")
+        else:
+            body = arg
+        key, eq, value = body.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override {arg!r} is not KEY=VALUE; write e.g. train.steps=100")
+        pairs.append((key.strip(), value.strip()))
+        i += 1
+    return pairs
+
+
+def load(argv):
+    """argv (without the program name) -> validated, locked ConfigDict."""
+    from MaxOffload.config.validate import validate
+
+    if not argv:
+        raise ConfigError("no config given; run e.g. `python train.py configs/quickstart.py`")
+    if argv[0].startswith("-") and not argv[0].startswith("--config="):
+        raise ConfigError(f"the first argument must be a config file, got {argv[0]!r}")
+    spec = argv[0][len("--config="):] if argv[0].startswith("--config=") else argv[0]
+    cfg = load_file(spec)
+    for key, value in split_overrides(argv[1:]):
+        apply_override(cfg, key, value)
+    validate(cfg)
+    cfg.lock()
+    return cfg
+
+
+def describe(cfg):
+    """The resolved config, one line per section (empty per-tensor settings left out)."""
+    lines = []
+    for section, values in cfg.items():
+        items = [f"{key}={values[key] if not isinstance(values[key], list) else ','.join(map(str, values[key]))}"
+                 for key in flat_keys(values) if not _is_unset_tensor(section, key, values)]
+        lines.append(f"  {section}: " + " ".join(items))
+    return "\n".join(lines)
+
+
+def _is_unset_tensor(section, key, values):
+    if section != "remat" or not key.startswith("tensors."):
+        return False
+    return not values.tensors[key[len("tensors."):]]

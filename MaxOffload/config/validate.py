@@ -1,0 +1,106 @@
+"""Checks a whole config before any JAX work; the first problem raises ConfigError."""
+import math
+import os
+
+from MaxOffload.config import defaults
+from MaxOffload.config.loader import ConfigError, flat_keys, suggest
+from MaxOffload.offload import policy
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _get(cfg, key):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _check_keys_and_types(cfg):
+    reference = defaults.get_config()
+    known, given = flat_keys(reference), flat_keys(cfg)
+    for key in given:
+        if key not in known:
+            raise ConfigError(f"unknown config key {key!r}{suggest(key, known)}; "
+                              "`python train.py --help` lists all keys")
+    for key in known:
+        if key not in given:
+            raise ConfigError(f"config key {key!r} is missing; build configs on "
+                              "MaxOffload.config.defaults.get_config()")
+        want, value = type(_get(reference, key)), _get(cfg, key)
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if want in (list, tuple) and isinstance(value, (list, tuple)):
+            continue
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(f"{key} must be {want.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _require(ok, message):
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(cfg, *keys):
+    for key in keys:
+        _require(_get(cfg, key) > 0, f"{key} must be > 0, got {_get(cfg, key)}")
+
+
+def _choice(key, value, choices):
+    _require(value in choices, f"{key}={value!r} is not one of {', '.join(choices)}{suggest(value, choices)}")
+
+
+def validate(cfg):
+    from MaxOffload import models  # the families say which names they tag
+    from MaxOffload.data import tokenizer
+
+    _check_keys_and_types(cfg)
+    run, train, model, data = cfg.run, cfg.train, cfg.model, cfg.data
+
+    _require(run.output_dir.strip() != "", "run.output_dir is empty; give a directory, e.g. runs/my_run")
+    _positive(cfg, "run.log_every", "train.steps", "train.per_device_batch_size", "train.seq_len",
+              "train.eval_batches")
+    for key in ("train.learning_rate", "train.weight_decay", "train.grad_clip_norm", "train.adam_eps"):
+        value = _get(cfg, key)
+        _require(math.isfinite(value) and value >= 0, f"{key} must be a finite number >= 0, got {value}")
+    _require(train.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
+    _require(train.warmup_steps < train.steps,
+             f"train.warmup_steps={train.warmup_steps} must be below train.steps={train.steps}")
+    _require(0 <= train.final_lr_ratio <= 1, f"train.final_lr_ratio must be in [0, 1], got {train.final_lr_ratio}")
+    for key in ("train.adam_b1", "train.adam_b2"):
+        _require(0 <= _get(cfg, key) < 1, f"{key} must be in [0, 1), got {_get(cfg, key)}")
+    _require(train.eval_every >= 0, f"train.eval_every must be >= 0 (0 disables), got {train.eval_every}")
+
+    _choice("model.family", model.family, tuple(models.FAMILIES))
+    _positive(cfg, "model.vocab_size", "model.emb_dim", "model.num_layers", "model.num_heads",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.norm_eps",
+              "model.rope_theta", "model.init_std")
+    _require(model.num_heads % model.num_kv_heads == 0,
+             f"model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads}")
+    _require(model.head_dim % 2 == 0, f"model.head_dim={model.head_dim} must be even for RoPE")
+    _choice("model.param_dtype", model.param_dtype, DTYPES)
+    _choice("model.compute_dtype", model.compute_dtype, DTYPES)
+    _choice("model.rope_scaling", model.rope_scaling, ("none", "llama3"))
+    if model.rope_scaling == "llama3":
+        _require(model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {model.rope_factor}")
+        _require(0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
+                 "model.rope_low_freq_factor must be > 0 and below model.rope_high_freq_factor")
+        _positive(cfg, "model.rope_original_max_len")
+
+    _choice("remat.policy", cfg.remat.policy, tuple(policy.PRESETS))
+    tagged = models.FAMILIES[model.family].TAGGED_NAMES
+    for name, decision in cfg.remat.tensors.items():
+        if decision:
+            _choice(f"remat.tensors.{name}", decision, policy.DECISIONS)
+            _require(name in tagged, f"remat.tensors.{name}={decision}: the {model.family} model never tags "
+                                     f"{name!r}, so the setting would do nothing; it tags: {', '.join(tagged)}")
+
+    _choice("data.source", data.source, ("text", "synthetic"))
+    for path in data.text_files:
+        _require(os.path.isfile(path), f"data.text_files: {path} not found; give existing UTF-8 text files")
+    _require(0 < data.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
+    if data.source == "text":
+        _require(model.vocab_size >= tokenizer.VOCAB_SIZE,
+                 f"model.vocab_size={model.vocab_size} is below the byte tokenizer's {tokenizer.VOCAB_SIZE} "
+                 f"tokens; set model.vocab_size>={tokenizer.VOCAB_SIZE}")
+    _require(cfg.hardware.peak_tflops_per_device >= 0, "hardware.peak_tflops_per_device must be >= 0")

@@ -1,0 +1,20 @@
+"""Training data: a batch is a pure function of (seed, step), so runs are reproducible.
+
+A batch is a dict of numpy arrays [rows, seq_len]: `inputs` and `targets` (int32 token
+ids, targets = inputs shifted by one) and `mask` (float32, 0 where the loss must ignore
+a position, e.g. padding).
+"""
+from MaxOffload.data import synthetic, text
+
+
+def build(cfg, process_index=0, process_count=1):
+    """The configured dataset, yielding this process's rows of each global batch."""
+    import jax
+
+    global_batch = cfg.train.per_device_batch_size * jax.device_count()
+    kwargs = dict(global_batch=global_batch, seq_len=cfg.train.seq_len, seed=cfg.run.seed,
+                  process_index=process_index, process_count=process_count)
+    if cfg.data.source == "synthetic":
+        return synthetic.SyntheticData(vocab_size=cfg.model.vocab_size, **kwargs)
+    return text.TextData(text.load_documents(list(cfg.data.text_files)), eval_fraction=cfg.data.eval_fraction,
+                         **kwargs)

@@ -1,0 +1,123 @@
+"""Building blocks shared by the model families. Layers take explicit arguments, never a config.
+
+Parameters carry logical axis names (`embed`, `heads`, `mlp`, ...); parallel/ maps them
+to mesh axes. Activations that a remat policy may name are tagged from offload.names.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxOffload.offload import names
+from MaxOffload.parallel.logical import constrain
+
+BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
+
+
+def param(rngs, shape, axes, dtype, std):
+    """A normal-initialised parameter annotated with logical axes (sharding is applied later)."""
+    value = std * jax.random.normal(rngs.params(), shape, dtype=jnp.float32)
+    return nnx.Param(value.astype(dtype), sharding_names=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim, *, eps, param_dtype, rngs=None):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=("norm",), eager_sharding=False)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim, theta, scaling="none", factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_len=8192):
+    """Inverse RoPE frequencies, with Llama 3.1's frequency scaling when scaling='llama3'.
+
+    Llama 3.1 leaves high frequencies (short wavelengths) alone, divides low ones by
+    `factor`, and interpolates smoothly in between.
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling == "none":
+        return inv_freq.astype(np.float32)
+    if scaling != "llama3":
+        raise ValueError(f"unknown rope scaling {scaling!r}")
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_len / low_freq_factor
+    high_freq_wavelen = original_max_len / high_freq_factor
+    smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, interpolated)
+    scaled = np.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotary embedding ("rotate half" layout). x: [batch, length, heads, head_dim]."""
+    angles = positions[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]  # [b, l, d/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q, k, v):
+    """Causal grouped-query attention without repeating k/v.
+
+    q: [b, l, heads, d]; k, v: [b, l, kv_heads, d] with heads a multiple of kv_heads.
+    Softmax in float32. Returns [b, l, heads, d].
+    """
+    b, length, heads, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, length, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    mask = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
+    return out.reshape(b, length, heads, d)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE."""
+
+    def __init__(self, *, emb_dim, num_heads, num_kv_heads, head_dim, inv_freq, param_dtype,
+                 compute_dtype, init_std, rngs):
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
+        self.compute_dtype = compute_dtype
+        self.wq = param(rngs, (emb_dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype, init_std)
+        self.wk = param(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                        param_dtype, init_std)
+        self.wv = param(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                        param_dtype, init_std)
+        self.wo = param(rngs, (num_heads, head_dim, emb_dim), ("heads", "head_dim", "embed"), param_dtype,
+                        init_std)
+
+    def __call__(self, x, positions):
+        cdt = self.compute_dtype
+        q = names.tag(jnp.einsum("ble,ehd->blhd", x, self.wq[...].astype(cdt)), names.QUERY_PROJ)
+        k = names.tag(jnp.einsum("ble,ehd->blhd", x, self.wk[...].astype(cdt)), names.KEY_PROJ)
+        v = names.tag(jnp.einsum("ble,ehd->blhd", x, self.wv[...].astype(cdt)), names.VALUE_PROJ)
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        out = names.tag(causal_attention(q, k, v), names.ATTENTION_OUT)
+        out = jnp.einsum("blhd,hde->ble", out, self.wo[...].astype(cdt))
+        return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, *, emb_dim, mlp_dim, param_dtype, compute_dtype, init_std, rngs):
+        self.compute_dtype = compute_dtype
+        self.wi_0 = param(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), param_dtype, init_std)
+        self.wi_1 = param(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), param_dtype, init_std)
+        self.wo = param(rngs, (mlp_dim, emb_dim), ("mlp", "embed"), param_dtype, init_std)
+
+    def __call__(self, x):
+        cdt = self.compute_dtype
+        gate = names.tag(x @ self.wi_0[...].astype(cdt), names.MLPWI_0)
+        up = names.tag(x @ self.wi_1[...].astype(cdt), names.MLPWI_1)
+        out = (jax.nn.silu(gate) * up) @ self.wo[...].astype(cdt)
+        return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)

@@ -1,0 +1,61 @@
+"""From (preset, per-tensor settings) to a `jax.checkpoint` policy.
+
+A decision per vocabulary name: "remat" (recompute in the backward pass), "device"
+(keep in HBM) or "offload" (move to pinned host memory, stream back for the backward).
+"""
+import jax
+
+from MaxOffload.offload.names import VOCABULARY
+
+REMAT, DEVICE, OFFLOAD = "remat", "device", "offload"
+DECISIONS = (REMAT, DEVICE, OFFLOAD)
+
+_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj", "kv_proj")
+_MLA = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv")
+_MLP = ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
+_MOE = ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+_PROJECTIONS = _MLA + _QKV + ("out_proj",) + _MLP + _MOE
+
+# preset -> {name: decision}; names not listed are recomputed. MaxText-compatible.
+PRESETS = {
+    "full": {},
+    "minimal": {n: DEVICE for n in _PROJECTIONS},
+    "minimal_offloaded": {n: OFFLOAD for n in _PROJECTIONS},
+    "minimal_with_context": {n: DEVICE for n in _PROJECTIONS + ("context",)},
+    "qkv_proj_offloaded": {n: OFFLOAD for n in _QKV},
+    "save_qkv_proj": {n: DEVICE for n in _QKV},
+    "save_out_proj": {"out_proj": DEVICE},
+    "save_dot_except_mlp": {n: DEVICE for n in _QKV + _MLA + ("out_proj",)},
+    "save_dot_except_mlpwi": {n: DEVICE for n in _QKV + _MLA + ("out_proj", "mlpwo", "moe_mlpwo")},
+    "save_dot_with_context_except_mlp": {n: DEVICE for n in _QKV + _MLA + ("context", "out_proj")},
+    "save_all": {n: DEVICE for n in VOCABULARY},
+    "custom": {},
+}
+
+
+def decisions(preset, tensors):
+    """{name: decision} for every vocabulary name: the preset, then explicit `tensors` settings."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown remat policy {preset!r}")
+    out = {name: PRESETS[preset].get(name, REMAT) for name in VOCABULARY}
+    for name, decision in tensors.items():
+        if decision:
+            out[name] = decision
+    return out
+
+
+def checkpoint_policy(preset, tensors):
+    """The `jax.checkpoint` policy for a preset plus per-tensor settings.
+
+    `save_all` with no overrides saves every intermediate (no recomputation at all);
+    everything else is name-based: untagged values are always recomputed.
+    """
+    if preset == "save_all" and not any(tensors.values()):
+        return jax.checkpoint_policies.everything_saveable
+    chosen = decisions(preset, tensors)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[n for n, d in chosen.items() if d == DEVICE],
+        names_which_can_be_offloaded=[n for n, d in chosen.items() if d == OFFLOAD],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )

@@ -1,0 +1,68 @@
+"""Logical axis names -> mesh axes.
+
+Models name their axes (`embed`, `mlp`, `activation_batch`, ...); these rules say which
+mesh axes shard each one. The trainer activates (mesh, rules) around tracing so that
+`constrain` inside a model can place activations without knowing the mesh.
+"""
+import contextlib
+import threading
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
+
+# logical axis -> mesh axes that shard it (in order); absent or () = replicated.
+DEFAULT_RULES = {
+    "activation_batch": ("data", "fsdp", "expert"),
+    "activation_length": ("context",),
+    "activation_embed": (),
+    "activation_heads": ("tensor",),
+    "activation_mlp": ("tensor",),
+    "activation_vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "norm": (),
+    "layers": (),
+}
+
+_active = threading.local()
+
+
+def partition_spec(axes, rules, mesh_axis_names=None):
+    """Logical axes tuple -> PartitionSpec; a mesh axis is used at most once per array."""
+    used, spec = set(), []
+    for axis in axes:
+        mesh_axes = tuple(a for a in rules.get(axis, ()) if a not in used
+                          and (mesh_axis_names is None or a in mesh_axis_names))
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return PartitionSpec(*spec)
+
+
+def named_sharding(mesh, axes, rules):
+    return NamedSharding(mesh, partition_spec(axes, rules, mesh.axis_names))
+
+
+@contextlib.contextmanager
+def activate(mesh, rules):
+    """Within this block, `constrain` places activations on `mesh` by `rules`."""
+    previous = getattr(_active, "value", None)
+    _active.value = (mesh, rules)
+    try:
+        yield
+    finally:
+        _active.value = previous
+
+
+def constrain(x, axes):
+    """Sharding constraint by logical axes; a no-op outside `activate`."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, axes, rules))

@@ -1,0 +1,60 @@
+"""Where per-step figures go: a progress line on the console, metrics.jsonl, TensorBoard events."""
+import json
+import os
+import sys
+import time
+
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+
+def _duration(seconds):
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class MetricsLogger:
+    """Every step to metrics.jsonl (one JSON object per line) and TensorBoard; a console line every N."""
+
+    def __init__(self, output_dir, total_steps, log_every, stream=sys.stdout):
+        self.total_steps, self.log_every, self.stream = total_steps, log_every, stream
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "w")
+        self.tensorboard = EventFileWriter(os.path.join(output_dir, "tensorboard"))
+        self.started = time.perf_counter()
+
+    def _scalars(self, step, values, prefix=""):
+        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=prefix + k, simple_value=float(v))
+                                             for k, v in values.items() if v is not None])
+        self.tensorboard.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def log_step(self, step, metrics):
+        """step: the 1-based number of the finished step; metrics: name -> float."""
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._scalars(step, metrics, "train/")
+        if step % self.log_every == 0 or step == self.total_steps or step == 1:
+            self.stream.write(self._progress_line(step, metrics) + "\n")
+            self.stream.flush()
+
+    def log_eval(self, step, metrics):
+        self.jsonl.write(json.dumps({"step": step, **{f"eval_{k}": v for k, v in metrics.items()}}) + "\n")
+        self._scalars(step, metrics, "eval/")
+        self.stream.write(f"eval  step {step:>{len(str(self.total_steps))}} | "
+                          + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + "\n")
+        self.stream.flush()
+
+    def _progress_line(self, step, m):
+        width = len(str(self.total_steps))
+        done = step / self.total_steps
+        bar = "#" * int(done * 20) + "-" * (20 - int(done * 20))
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / step * (self.total_steps - step)
+        mfu = f"{m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else "n/a"
+        return (f"step {step:>{width}}/{self.total_steps} [{bar}] {done:4.0%} | loss {m['loss']:.4f} "
+                f"| gnorm {m['grad_norm']:.3f} | lr {m['learning_rate']:.2e} | {m['step_time_s']:.3f} s/step "
+                f"| {m['tokens_per_sec_per_device']:,.0f} tok/s/dev | {m['tflops_per_sec_per_device']:.3f} "
+                f"TFLOP/s/dev | MFU {mfu} | eta {_duration(eta)}")
+
+    def close(self):
+        self.jsonl.close()
+        self.tensorboard.close()

@@ -1,0 +1,103 @@
+"""The pure, jitted core: train state, loss, one training step, one evaluation step."""
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from MaxOffload import models
+from MaxOffload.parallel import logical
+from MaxOffload.train import optimizer
+
+BATCH_AXES = ("activation_batch", "activation_length")
+
+
+def masked_cross_entropy(logits, targets, mask):
+    """(sum of next-token cross-entropy over positions where mask=1, number of such positions)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+class TrainSetup:
+    """What a run needs to create, shard and step its state; built once from the config.
+
+    The state is a plain pytree {'step', 'params', 'opt_state'} so that checkpointing and
+    sharding see ordinary dicts; `graphdef` turns params back into the NNX model.
+    """
+
+    def __init__(self, cfg, mesh, rules=logical.DEFAULT_RULES):
+        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+        self.tx = optimizer.build(cfg.train)
+        self.schedule = optimizer.schedule(cfg.train)
+        self.model_config = models.model_config(cfg)
+        abstract_model = nnx.eval_shape(lambda: models.build(cfg))
+        self.graphdef, abstract_params = nnx.split(abstract_model)
+        logical_specs = nnx.get_partition_spec(abstract_params).to_pure_dict()
+        param_shardings = jax.tree.map(lambda spec: logical.named_sharding(mesh, tuple(spec), rules), logical_specs,
+                                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+        self.abstract_state = jax.eval_shape(self._init)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.state_shardings = {
+            "step": replicated,
+            "params": param_shardings,
+            "opt_state": optax.tree_map_params(self.tx, lambda _, sharding: sharding,
+                                               self.abstract_state["opt_state"], param_shardings,
+                                               transform_non_params=lambda _: replicated),
+        }
+        self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
+
+    def _init(self):
+        params = nnx.state(models.build(self.cfg)).to_pure_dict()
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+
+    def init_state(self):
+        """Freshly initialised state, created directly in its sharding (never whole on one device)."""
+        with logical.activate(self.mesh, self.rules):
+            return jax.jit(self._init, out_shardings=self.state_shardings)()
+
+    def loss(self, params, batch):
+        logits = nnx.merge(self.graphdef, params)(batch["inputs"])
+        total, count = masked_cross_entropy(logits, batch["targets"], batch["mask"])
+        return total / jnp.maximum(count, 1.0)
+
+    def train_step(self, state, batch):
+        loss, grads = jax.value_and_grad(self.loss)(state["params"], batch)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+                     "opt_state": opt_state}
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self.schedule(state["step"])}
+        return new_state, metrics
+
+    def eval_step(self, params, batch):
+        logits = nnx.merge(self.graphdef, params)(batch["inputs"])
+        return masked_cross_entropy(logits, batch["targets"], batch["mask"])
+
+    def batch_shardings(self):
+        return {"inputs": self.batch_sharding, "targets": self.batch_sharding, "mask": self.batch_sharding}
+
+    def compile_train_step(self, abstract_batch):
+        """AOT-compiles the training step (state donated) for batches shaped like abstract_batch."""
+        jitted = jax.jit(self.train_step, in_shardings=(self.state_shardings, self.batch_shardings()),
+                         out_shardings=(self.state_shardings, None), donate_argnums=0)
+        with logical.activate(self.mesh, self.rules):
+            return jitted.lower(self.abstract_state, abstract_batch).compile()
+
+    def compile_eval_step(self, abstract_batch):
+        jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"], self.batch_shardings()))
+        with logical.activate(self.mesh, self.rules):
+            return jitted.lower(self.abstract_state["params"], abstract_batch).compile()
+
+    def put_batch(self, batch):
+        """This process's rows of a global batch -> global arrays sharded over the batch axes."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+    def state_bytes_per_device(self):
+        """Bytes of params + optimizer state that each device holds under the state shardings."""
+        per_leaf = jax.tree.map(lambda leaf, sharding: math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize,
+                                self.abstract_state, self.state_shardings)
+        return int(sum(jax.tree.leaves(per_leaf)))
+
+    def params_total(self):
+        return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self.abstract_state["params"])))

@@ -1,0 +1,40 @@
+"""Train a model: python train.py CONFIG.py[:ARG] [key=value | --config.key=value ...]
+
+Examples:
+  python train.py configs/quickstart.py
+  python train.py configs/llama3_1.py:405b run.dry_run=true
+  python train.py configs/quickstart.py train.steps=50 --config.model.num_layers=2
+"""
+import sys
+
+
+def print_help():
+    from MaxOffload.config.defaults import docs
+
+    print(__doc__)
+    print("Keys (default: meaning):")
+    for key, default, meaning in docs():
+        print(f"  {key} = {default!r}\n      {meaning}")
+
+
+def main(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print_help()
+        return 0 if argv else 2
+    from MaxOffload.config import ConfigError, load
+
+    try:
+        cfg = load(argv)
+        from MaxOffload.train.trainer import run
+
+        return run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
