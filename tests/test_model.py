@@ -1,0 +1,422 @@
+"""Model correctness: RoPE, causal GQA attention, scan/remat equivalence, tagged names,
+the FLOP formula and the published parameter counts. Every check is against an
+independent reference written here (numpy / hand arithmetic), never against the code itself."""
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxOffload import models
+from MaxOffload.config import get_config
+from MaxOffload.models import llama
+from MaxOffload.models.layers import apply_rope, causal_attention, rope_inv_freq
+from MaxOffload.offload.names import VOCABULARY
+from MaxOffload.train.flops import train_flops_per_step
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def tiny_cfg(**model_overrides):
+    cfg = get_config()
+    cfg.model.update(llama.PRESETS["tiny"])
+    cfg.model.compute_dtype = "float32"
+    cfg.model.param_dtype = "float32"
+    cfg.model.update(model_overrides)
+    return cfg
+
+
+def tokens_for(cfg, batch=2, length=8, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (batch, length)), jnp.int32)
+
+
+def n_params(tree):
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+# --------------------------------------------------------------------------------------------
+# 1. RoPE
+
+
+def ref_inv_freq_llama3(head_dim, theta, factor, low, high, orig):
+    """Llama 3.1 frequency scaling, written element by element from the definition."""
+    out, regimes = [], []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < orig / high:
+            out.append(freq)
+            regimes.append("high")
+        elif wavelen > orig / low:
+            out.append(freq / factor)
+            regimes.append("low")
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+            regimes.append("mid")
+    return np.array(out), regimes
+
+
+def test_rope_inv_freq_none():
+    ref = np.array([1.0 / 500000.0 ** (i / 128) for i in range(0, 128, 2)])
+    got = np.asarray(rope_inv_freq(128, 500000.0, "none"))
+    assert got.shape == (64,)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+def test_rope_inv_freq_llama3():
+    ref, regimes = ref_inv_freq_llama3(128, 500000.0, 8.0, 1.0, 4.0, 8192)
+    # all three regimes occur for Llama 3.1's settings
+    assert {"high", "mid", "low"} <= set(regimes), regimes
+    got = np.asarray(rope_inv_freq(128, 500000.0, "llama3", factor=8.0, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_len=8192))
+    assert got.shape == (64,)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    # and it really scales something: low frequencies divided by 8
+    unscaled = np.array([1.0 / 500000.0 ** (i / 128) for i in range(0, 128, 2)])
+    low = np.array([r == "low" for r in regimes])
+    np.testing.assert_allclose(got[low], unscaled[low] / 8.0, rtol=1e-6)
+
+
+def test_rope_inv_freq_rejects_unknown_scaling():
+    with pytest.raises(ValueError):
+        rope_inv_freq(16, 10000.0, "yarn")
+
+
+def ref_rope(x, positions, inv_freq):
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    angles = np.asarray(positions, np.float64)[:, :, None] * np.asarray(inv_freq, np.float64)[None, None, :]
+    cos, sin = np.cos(angles)[:, :, None, :], np.sin(angles)[:, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_apply_rope_matches_numpy_rotate_half():
+    rng = np.random.default_rng(0)
+    b, l, h, d = 2, 7, 3, 16
+    x = rng.standard_normal((b, l, h, d)).astype(np.float32)
+    positions = np.stack([np.arange(l), np.arange(l) + 11]).astype(np.int32)
+    inv_freq = rope_inv_freq(d, 10000.0)
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(inv_freq)))
+    np.testing.assert_allclose(got, ref_rope(x, positions, inv_freq), rtol=1e-5, atol=1e-5)
+    # a rotation preserves the norm of every head vector
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    # position 0 is the identity
+    np.testing.assert_allclose(got[0, 0], x[0, 0], rtol=1e-6, atol=1e-6)
+
+
+def test_apply_rope_dot_product_depends_only_on_relative_position():
+    rng = np.random.default_rng(1)
+    d = 32
+    q = jnp.asarray(rng.standard_normal((1, 1, 1, d)).astype(np.float32))
+    k = jnp.asarray(rng.standard_normal((1, 1, 1, d)).astype(np.float32))
+    inv_freq = jnp.asarray(rope_inv_freq(d, 10000.0))
+
+    def dot(m, n):
+        qr = apply_rope(q, jnp.array([[m]], jnp.int32), inv_freq)
+        kr = apply_rope(k, jnp.array([[n]], jnp.int32), inv_freq)
+        return float(jnp.sum(qr * kr))
+
+    base = dot(5, 2)
+    for shift in (1, 17, 100):
+        assert dot(5 + shift, 2 + shift) == pytest.approx(base, rel=1e-4, abs=1e-4)
+    # and it does depend on the relative position
+    assert abs(dot(5, 2) - dot(9, 2)) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# 2-3. causal grouped-query attention
+
+
+def ref_attention(q, k, v):
+    """Plain multi-head causal attention with k/v repeated per group (float64)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, l, h, d = q.shape
+    group = h // k.shape[2]
+    k = np.repeat(k, group, axis=2)  # query head i uses kv head i // group
+    v = np.repeat(v, group, axis=2)
+    scores = np.einsum("blhd,bshd->bhls", q, k) / np.sqrt(d)
+    mask = np.tril(np.ones((l, l), bool))
+    scores = np.where(mask, scores, -np.inf)
+    scores = scores - scores.max(-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhls,bshd->blhd", p, v)
+
+
+def qkv(seed, b=2, l=6, heads=6, kv_heads=2, d=8):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((b, l, heads, d)).astype(np.float32),
+            rng.standard_normal((b, l, kv_heads, d)).astype(np.float32),
+            rng.standard_normal((b, l, kv_heads, d)).astype(np.float32))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (4, 1), (8, 4)])
+def test_gqa_matches_numpy_reference(heads, kv_heads):
+    q, k, v = qkv(0, heads=heads, kv_heads=kv_heads)
+    got = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+    assert got.shape == q.shape
+    np.testing.assert_allclose(got, ref_attention(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask():
+    q, k, v = qkv(1)
+    l = q.shape[1]
+    base = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+    rng = np.random.default_rng(2)
+    for t in range(l):
+        # changing keys/values (and queries) after t leaves positions <= t unchanged
+        k2, v2, q2 = k.copy(), v.copy(), q.copy()
+        k2[:, t + 1:] += 10 * rng.standard_normal(k2[:, t + 1:].shape).astype(np.float32)
+        v2[:, t + 1:] += 10 * rng.standard_normal(v2[:, t + 1:].shape).astype(np.float32)
+        q2[:, t + 1:] += 10 * rng.standard_normal(q2[:, t + 1:].shape).astype(np.float32)
+        out = np.asarray(causal_attention(jnp.asarray(q2), jnp.asarray(k2), jnp.asarray(v2)))
+        np.testing.assert_allclose(out[:, :t + 1], base[:, :t + 1], rtol=1e-6, atol=1e-6)
+        if t + 1 < l:
+            assert not np.allclose(out[:, t + 1:], base[:, t + 1:], atol=1e-3)
+    # changing an earlier key or value changes later outputs
+    for t in range(1, l):
+        k2, v2 = k.copy(), v.copy()
+        k2[:, t - 1] += 3.0
+        out_k = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k2), jnp.asarray(v)))
+        assert np.abs(out_k[:, t] - base[:, t]).max() > 1e-3
+        v2[:, t - 1] += 3.0
+        out_v = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v2)))
+        assert np.abs(out_v[:, t] - base[:, t]).max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# 4. scanned vs unscanned, remat policies
+
+
+def build_with(cfg, params=None):
+    model = models.build(cfg)
+    if params is not None:
+        nnx.update(model, params)
+    return model
+
+
+def test_scanned_and_unscanned_give_same_logits():
+    cfg_scan = tiny_cfg(scan_layers=True)
+    cfg_loop = tiny_cfg(scan_layers=False)
+    cfg_loop.run.seed = 123  # different init, then overwritten with the scanned model's params
+    m_scan = build_with(cfg_scan)
+    params = nnx.state(m_scan, nnx.Param)
+    m_loop = build_with(cfg_loop, params)
+    tokens = tokens_for(cfg_scan)
+    a = np.asarray(m_scan(tokens))
+    b = np.asarray(m_loop(tokens))
+    assert a.shape == (2, 8, cfg_scan.model.vocab_size)
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # the layers really differ from each other (a bug applying layer 0 twice would show)
+    assert a.std() > 0
+
+
+def test_unscanned_loop_uses_every_layer():
+    """Zeroing layer 1's output projections must change the logits for both scan modes."""
+    for scan in (True, False):
+        cfg = tiny_cfg(scan_layers=scan)
+        model = build_with(cfg)
+        tokens = tokens_for(cfg)
+        before = np.asarray(model(tokens))
+        model.layers.mlp.wo[...] = model.layers.mlp.wo[...].at[1].set(0.0)
+        model.layers.attention.wo[...] = model.layers.attention.wo[...].at[1].set(0.0)
+        after = np.asarray(model(tokens))
+        assert np.abs(after - before).max() > 1e-6, f"scan={scan}: layer 1 ignored"
+
+
+def loss_and_grads(cfg, params, tokens, weights):
+    graphdef, _ = nnx.split(models.build(cfg))
+
+    def loss(p):
+        return jnp.sum(nnx.merge(graphdef, p)(tokens) * weights)
+
+    logits = nnx.merge(graphdef, params)(tokens)
+    return logits, jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_remat_policies_do_not_change_logits_or_gradients(scan):
+    base_cfg = tiny_cfg(scan_layers=scan)
+    _, params = nnx.split(models.build(base_cfg))
+    tokens = tokens_for(base_cfg)
+    weights = jnp.asarray(np.random.default_rng(3).standard_normal((2, 8, base_cfg.model.vocab_size)), jnp.float32)
+    results = {}
+    for pol in ("full", "save_all", "minimal"):
+        cfg = tiny_cfg(scan_layers=scan)
+        cfg.remat.policy = pol
+        results[pol] = loss_and_grads(cfg, params, tokens, weights)
+    ref_logits, (ref_loss, ref_grads) = results["full"]
+    assert n_params(ref_grads) == n_params(params)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads)) > 0
+    for pol in ("save_all", "minimal"):
+        logits, (loss, grads) = results[pol]
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-6, atol=1e-6)
+        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+                     grads, ref_grads)
+
+
+def test_gradients_match_between_scanned_and_unscanned():
+    tokens = tokens_for(tiny_cfg())
+    cfg_s, cfg_l = tiny_cfg(scan_layers=True), tiny_cfg(scan_layers=False)
+    _, params = nnx.split(models.build(cfg_s))
+    weights = jnp.asarray(np.random.default_rng(4).standard_normal((2, 8, cfg_s.model.vocab_size)), jnp.float32)
+    _, (ls, gs) = loss_and_grads(cfg_s, params, tokens, weights)
+    _, (ll, gl) = loss_and_grads(cfg_l, params, tokens, weights)
+    assert float(ls) == pytest.approx(float(ll), rel=1e-5, abs=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6), gs, gl)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. tagged checkpoint names
+
+
+def _sub_jaxprs(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _sub_jaxprs(v)
+
+
+def checkpoint_names(jaxpr):
+    """Every `name` primitive's name in jaxpr, recursively through scan/remat/pjit/... bodies."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                found |= checkpoint_names(sub)
+    return found
+
+
+def test_tagged_names_are_in_vocabulary():
+    assert len(set(llama.TAGGED_NAMES)) == len(llama.TAGGED_NAMES)
+    for name in llama.TAGGED_NAMES:
+        assert name in VOCABULARY, name
+    assert models.FAMILIES["llama"].TAGGED_NAMES == llama.TAGGED_NAMES
+
+
+def test_walker_finds_names_inside_scan_and_checkpoint():
+    """The jaxpr walker itself can find a name nested in scan(checkpoint(...))."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    f = lambda x: jax.lax.scan(jax.checkpoint(lambda c, _: (checkpoint_name(c * 2, "mlpwo"), None)),
+                               x, None, length=2)[0]
+    assert checkpoint_names(jax.make_jaxpr(f)(1.0).jaxpr) == {"mlpwo"}
+
+
+@pytest.mark.parametrize("scan,policy", [(True, "full"), (False, "full"), (True, "minimal")])
+def test_forward_pass_tags_exactly_the_declared_names(scan, policy):
+    cfg = tiny_cfg(scan_layers=scan)
+    cfg.remat.policy = policy
+    graphdef, params = nnx.split(models.build(cfg))
+    tokens = tokens_for(cfg)
+    jaxpr = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+    found = checkpoint_names(jaxpr.jaxpr)
+    # every declared name appears, and no other vocabulary name does
+    assert set(llama.TAGGED_NAMES) <= found, set(llama.TAGGED_NAMES) - found
+    assert found & set(VOCABULARY) == set(llama.TAGGED_NAMES), (found & set(VOCABULARY)) - set(llama.TAGGED_NAMES)
+    assert found <= set(VOCABULARY), found - set(VOCABULARY)
+    # and the textual form agrees
+    text = str(jaxpr)
+    for name in llama.TAGGED_NAMES:
+        assert f"name={name}" in text, name
+
+
+# --------------------------------------------------------------------------------------------
+# 6. FLOP formula
+
+
+def small_flops_config():
+    return llama.LlamaConfig(vocab_size=100, emb_dim=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                             mlp_dim=16)
+
+
+def test_train_flops_by_hand():
+    c = small_flops_config()
+    batch, seq = 3, 5
+    # multiply-adds per token, per weight matrix
+    q = 8 * (4 * 4)       # emb x (heads * head_dim)     = 128
+    k = 8 * (2 * 4)       # emb x (kv_heads * head_dim)  = 64
+    v = 8 * (2 * 4)       #                              = 64
+    o = (4 * 4) * 8       # (heads * head_dim) x emb     = 128
+    wi_0 = 8 * 16         # emb x mlp                    = 128
+    wi_1 = 8 * 16         #                              = 128
+    wo = 16 * 8           # mlp x emb                    = 128
+    per_layer = q + k + v + o + wi_0 + wi_1 + wo  # 768
+    unembed = 8 * 100     # 800
+    macs_per_token = 2 * per_layer + unembed      # 2336
+    assert macs_per_token == 2336
+    tokens = batch * seq  # 15
+    dense = 2 * 3 * tokens * macs_per_token       # x2 FLOPs per MAC, x3 for fwd + bwd
+    # causal attention: QK^T and PV, half the score matrix
+    attention = 6 * tokens * 2 * seq * 4 * (4 + 4) / 2
+    expected = dense + attention
+    assert expected == 210240 + 14400
+    assert c.matmul_params_per_token() == macs_per_token
+    assert train_flops_per_step(c, batch, seq) == pytest.approx(expected, rel=1e-12)
+
+
+def test_matmul_params_match_built_model():
+    cfg = get_config()
+    cfg.model.update(dict(vocab_size=100, emb_dim=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                          mlp_dim=16))
+    model = nnx.eval_shape(lambda: models.build(cfg))
+    params = nnx.state(model, nnx.Param).to_pure_dict()
+    total = n_params(params)
+    embedding = math.prod(params["embed"].shape)
+    norms = n_params(params["final_norm"]) + n_params(params["layers"]["attention_norm"]) + \
+        n_params(params["layers"]["mlp_norm"])
+    assert embedding == 100 * 8
+    assert norms == 8 + 2 * 8 + 2 * 8
+    assert models.model_config(cfg).matmul_params_per_token() == total - embedding - norms
+
+
+# --------------------------------------------------------------------------------------------
+# 7. published sizes
+
+
+@pytest.mark.parametrize("size,published", [("8b", 8.03e9), ("70b", 70.6e9), ("405b", 405.9e9)])
+def test_published_param_counts(size, published):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "llama3_1_cfg", os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "llama3_1.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config(size)
+    model = nnx.eval_shape(lambda: models.build(cfg))
+    total = n_params(nnx.state(model, nnx.Param))
+    assert total == pytest.approx(published, rel=0.01)
+
+
+def test_dry_run_405b(cli, tmp_path):
+    import time
+
+    started = time.perf_counter()
+    result = cli(["train.py", "configs/llama3_1.py:405b", "run.dry_run=true", f"run.output_dir={tmp_path}"],
+                 timeout=120)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert elapsed < 30, f"dry run took {elapsed:.1f} s"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    params = summary["params_total"]
+    assert params == pytest.approx(405.9e9, rel=0.01)
+    # fp32 params + Adam mu and nu = 12 bytes per parameter on the single CPU device
+    assert summary["state_bytes_per_device"] > 0
+    assert summary["state_bytes_per_device"] == pytest.approx(12 * params, rel=0.02)
