@@ -59,6 +59,8 @@ SCHEMA = {
                            "| save_dot_with_context_except_mlp | minimal_with_context | save_all | custom"),
         "tensors": {name: ("", f"remat | device | offload, or empty to follow the policy: {doc}")
                     for name, doc in VOCABULARY.items()},
+        # Per-layer-group overrides: remat.groups.NAME.{layers, policy, tensors.*}; see GROUP below.
+        "groups": {},
     },
     "data": {
         "source": ("text", "text (byte-level tokens of data.text_files) | synthetic (seeded random tokens)"),
@@ -69,6 +71,31 @@ SCHEMA = {
         "peak_tflops_per_device": (0.0, "bf16 peak TFLOP/s per device for MFU; 0 = look up the device kind"),
     },
 }
+
+
+# One entry of remat.groups. `remat.groups.NAME.KEY=VALUE` on the command line creates NAME.
+GROUP = {
+    "layers": ("", "the layers: a range (0-7, 8-, 5) or a model group (llama: decoder; deepseek: dense, moe)"),
+    "policy": ("", "a preset for these layers (replaces remat.policy and remat.tensors); empty = inherit"),
+    "tensors": {name: ("", "remat | device | offload for these layers; empty = inherit") for name in VOCABULARY},
+}
+
+
+def layer_group(layers, policy="", **tensors):
+    """A remat group: e.g. layer_group("0-7", "full") or layer_group("moe", moe_mlpwi_0="offload")."""
+    group = _build(GROUP)
+    group.layers, group.policy = layers, policy
+    for name, decision in tensors.items():
+        if name not in VOCABULARY:
+            raise ValueError(f"unknown tensor name {name!r} in layer_group()")
+        group.tensors[name] = decision
+    return group
+
+
+def add_layer_group(cfg, name, layers, policy="", **tensors):
+    """Adds remat.groups.NAME to a (locked) config."""
+    with cfg.remat.groups.unlocked():
+        cfg.remat.groups[name] = layer_group(layers, policy, **tensors)
 
 
 def _build(schema):
@@ -90,12 +117,14 @@ def get_config():
     return cfg
 
 
-def docs(schema=SCHEMA, prefix=""):
+def docs(schema=None, prefix=""):
     """[(dotted key, default, meaning)] for --help and the README."""
+    if schema is None:
+        return docs(SCHEMA) + docs(GROUP, "remat.groups.NAME.")
     rows = []
     for key, spec in schema.items():
         if isinstance(spec, dict):
-            rows += docs(spec, f"{prefix}{key}.")
+            rows += docs(spec, f"{prefix}{key}.") if spec else [(prefix + key, {}, "see remat.groups.NAME.*")]
         else:
             rows.append((prefix + key, spec[0], spec[-1]))
     return rows

@@ -96,7 +96,20 @@ def parse_value(key, text, current, field_type):
     return text
 
 
+def _ensure_group(cfg, key):
+    """`remat.groups.NAME.*` creates the group NAME on first use."""
+    from MaxOffload.config.defaults import layer_group
+
+    parts = key.split(".")
+    if len(parts) >= 4 and parts[:2] == ["remat", "groups"] and parts[2] not in cfg.remat.groups:
+        if not parts[2].isidentifier():
+            raise ConfigError(f"{key}: group name {parts[2]!r} must be an identifier (letters, digits, _)")
+        with cfg.remat.groups.unlocked():
+            cfg.remat.groups[parts[2]] = layer_group("")
+
+
 def apply_override(cfg, key, text):
+    _ensure_group(cfg, key)
     known = flat_keys(cfg)
     if key not in known:
         raise ConfigError(f"unknown config key {key!r}{suggest(key, known)}; `python train.py --help` lists all keys")
@@ -158,13 +171,17 @@ def describe(cfg):
     """The resolved config, one line per section (empty per-tensor settings left out)."""
     lines = []
     for section, values in cfg.items():
-        items = [f"{key}={values[key] if not isinstance(values[key], list) else ','.join(map(str, values[key]))}"
-                 for key in flat_keys(values) if not _is_unset_tensor(section, key, values)]
+        items = []
+        for key in flat_keys(values):
+            value = _get_path(values, key)
+            if ".tensors." in f".{key}" and value == "":
+                continue
+            items.append(f"{key}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
         lines.append(f"  {section}: " + " ".join(items))
     return "\n".join(lines)
 
 
-def _is_unset_tensor(section, key, values):
-    if section != "remat" or not key.startswith("tensors."):
-        return False
-    return not values.tensors[key[len("tensors."):]]
+def _get_path(cfg, key):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg

@@ -16,24 +16,26 @@ def _get(cfg, key):
     return node
 
 
-def _check_keys_and_types(cfg):
-    reference = defaults.get_config()
-    known, given = flat_keys(reference), flat_keys(cfg)
+def _check_keys_and_types(cfg, reference=None, prefix=""):
+    """Every key of the reference present, no other, each of the reference's type."""
+    reference = reference if reference is not None else defaults.get_config()
+    known = flat_keys(reference)
+    given = [k for k in flat_keys(cfg) if not k.startswith("remat.groups.")]
     for key in given:
         if key not in known:
-            raise ConfigError(f"unknown config key {key!r}{suggest(key, known)}; "
+            raise ConfigError(f"unknown config key {prefix + key!r}{suggest(key, known)}; "
                               "`python train.py --help` lists all keys")
     for key in known:
         if key not in given:
-            raise ConfigError(f"config key {key!r} is missing; build configs on "
-                              "MaxOffload.config.defaults.get_config()")
+            raise ConfigError(f"config key {prefix + key!r} is missing; build configs on "
+                              "MaxOffload.config.defaults.get_config() (and layer_group() for remat.groups)")
         want, value = type(_get(reference, key)), _get(cfg, key)
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             continue
         if want in (list, tuple) and isinstance(value, (list, tuple)):
             continue
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise ConfigError(f"{key} must be {want.__name__}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{prefix + key} must be {want.__name__}, got {type(value).__name__} {value!r}")
 
 
 def _require(ok, message):
@@ -48,6 +50,34 @@ def _positive(cfg, *keys):
 
 def _choice(key, value, choices):
     _require(value in choices, f"{key}={value!r} is not one of {', '.join(choices)}{suggest(value, choices)}")
+
+
+def _check_tensors(prefix, tensors, family, tagged):
+    for name, decision in tensors.items():
+        if decision:
+            _choice(f"{prefix}.{name}", decision, policy.DECISIONS)
+            _require(name in tagged, f"{prefix}.{name}={decision}: the {family} model never tags {name!r}, "
+                                     f"so the setting would do nothing; it tags: {', '.join(tagged)}")
+
+
+def _validate_remat(cfg):
+    from MaxOffload import models
+    from MaxOffload.offload import segments
+
+    family = cfg.model.family
+    tagged = models.FAMILIES[family].TAGGED_NAMES
+    _choice("remat.policy", cfg.remat.policy, tuple(policy.PRESETS))
+    _check_tensors("remat.tensors", cfg.remat.tensors, family, tagged)
+    template = defaults.layer_group("")
+    for name, group in cfg.remat.groups.items():
+        prefix = f"remat.groups.{name}"
+        _require(isinstance(group, type(template)), f"{prefix} must be a layer group; build it with "
+                                                    "MaxOffload.config.defaults.layer_group()")
+        _check_keys_and_types(group, template, prefix + ".")
+        if group.policy:
+            _choice(f"{prefix}.policy", group.policy, tuple(policy.PRESETS))
+        _check_tensors(f"{prefix}.tensors", group.tensors, family, tagged)
+    segments.layer_segments(cfg.remat, models.layer_groups(cfg))  # ranges: in bounds, disjoint
 
 
 def validate(cfg):
@@ -87,13 +117,7 @@ def validate(cfg):
                  "model.rope_low_freq_factor must be > 0 and below model.rope_high_freq_factor")
         _positive(cfg, "model.rope_original_max_len")
 
-    _choice("remat.policy", cfg.remat.policy, tuple(policy.PRESETS))
-    tagged = models.FAMILIES[model.family].TAGGED_NAMES
-    for name, decision in cfg.remat.tensors.items():
-        if decision:
-            _choice(f"remat.tensors.{name}", decision, policy.DECISIONS)
-            _require(name in tagged, f"remat.tensors.{name}={decision}: the {model.family} model never tags "
-                                     f"{name!r}, so the setting would do nothing; it tags: {', '.join(tagged)}")
+    _validate_remat(cfg)
 
     _choice("data.source", data.source, ("text", "synthetic"))
     for path in data.text_files:

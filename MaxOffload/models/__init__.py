@@ -4,12 +4,14 @@ import collections
 from flax import nnx
 
 from MaxOffload.models import llama
-from MaxOffload.offload import policy
+from MaxOffload.offload import segments
 
-Family = collections.namedtuple("Family", "config_class model_class TAGGED_NAMES PRESETS")
+# layer_groups(model_config) -> {name: (start, stop)}: the model's separately scanned stacks.
+Family = collections.namedtuple("Family", "config_class model_class TAGGED_NAMES PRESETS layer_groups")
 
 FAMILIES = {
-    "llama": Family(llama.LlamaConfig, llama.Llama, llama.TAGGED_NAMES, llama.PRESETS),
+    "llama": Family(llama.LlamaConfig, llama.Llama, llama.TAGGED_NAMES, llama.PRESETS,
+                    lambda c: {"decoder": (0, c.num_layers)}),
 }
 
 
@@ -18,12 +20,26 @@ def model_config(cfg):
     return FAMILIES[cfg.model.family].config_class.from_config(cfg.model)
 
 
+def layer_groups(cfg):
+    return FAMILIES[cfg.model.family].layer_groups(model_config(cfg))
+
+
 def remat_segments(cfg):
-    """((start, stop, jax.checkpoint policy), ...) over the decoder layers."""
-    return ((0, cfg.model.num_layers, policy.checkpoint_policy(cfg.remat.policy, dict(cfg.remat.tensors))),)
+    """[Segment] over all layers: which policy each run of layers is compiled with."""
+    return segments.layer_segments(cfg.remat, layer_groups(cfg))
+
+
+def _segments_by_stack(cfg):
+    """{model group: ((start, stop, policy, label), ...)} with start/stop relative to that stack."""
+    groups, out = layer_groups(cfg), {}
+    for seg in remat_segments(cfg):
+        offset = groups[seg.model_group][0]
+        out.setdefault(seg.model_group, []).append((seg.start - offset, seg.stop - offset, seg.policy(), seg.label))
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def build(cfg, rngs=None):
     """The model with freshly initialised parameters (call under jax.eval_shape for shapes only)."""
     rngs = rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed)
-    return FAMILIES[cfg.model.family].model_class(model_config(cfg), remat_segments=remat_segments(cfg), rngs=rngs)
+    return FAMILIES[cfg.model.family].model_class(model_config(cfg), remat_segments=_segments_by_stack(cfg),
+                                                  rngs=rngs)

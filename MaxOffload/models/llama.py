@@ -101,24 +101,26 @@ def stacked_layers(make_layer, num_layers, rngs):
 def run_layers(layers, x, positions, segments, scan):
     """Applies stacked `layers` to x, segment by segment.
 
-    segments: ((start, stop, policy), ...) covering the layers in order; each segment is
-    one `jax.checkpoint` with its own remat/offload policy. scan=False runs a Python loop
-    over the same stacked parameters (for tests and debugging).
+    segments: ((start, stop, policy, label), ...) covering the layers in order; each segment
+    is one `jax.checkpoint` with its own remat/offload policy, traced under the name scope
+    `label` (offload/inspect.py reads it back). scan=False runs a Python loop over the same
+    stacked parameters (for tests and debugging).
     """
     graphdef, stacked = nnx.split(layers)
 
     def body(h, layer_state):
         return nnx.merge(graphdef, layer_state)(h, positions), None
 
-    for start, stop, policy in segments:
+    for start, stop, policy, label in segments:
         segment_state = stacked if (start, stop) == (0, _depth(stacked)) else \
             jax.tree.map(lambda p: p[start:stop], stacked)
         step = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
-        if scan:
-            x, _ = jax.lax.scan(step, x, segment_state)
-        else:
-            for i in range(stop - start):
-                x, _ = step(x, jax.tree.map(lambda p: p[i], segment_state))
+        with jax.named_scope(label):
+            if scan:
+                x, _ = jax.lax.scan(step, x, segment_state)
+            else:
+                for i in range(stop - start):
+                    x, _ = step(x, jax.tree.map(lambda p: p[i], segment_state))
     return x
 
 
@@ -130,7 +132,7 @@ class Llama(nnx.Module):
     def __init__(self, c: LlamaConfig, *, remat_segments, rngs):
         pdt = jnp.dtype(c.param_dtype)
         self.config = c
-        self.remat_segments = tuple(remat_segments)
+        self.remat_segments = remat_segments["decoder"]
         self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), pdt, c.init_std)
         self.layers = stacked_layers(lambda r: DecoderLayer(c, rngs=r), c.num_layers, rngs)
         self.final_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)

@@ -44,15 +44,14 @@ def decisions(preset, tensors):
     return out
 
 
-def checkpoint_policy(preset, tensors):
-    """The `jax.checkpoint` policy for a preset plus per-tensor settings.
+def policy_from_decisions(chosen, save_everything=False):
+    """The `jax.checkpoint` policy for {name: decision}.
 
-    `save_all` with no overrides saves every intermediate (no recomputation at all);
-    everything else is name-based: untagged values are always recomputed.
+    save_everything (plain `save_all`) keeps every intermediate: no recomputation at all.
+    Otherwise the policy is name-based and untagged values are always recomputed.
     """
-    if preset == "save_all" and not any(tensors.values()):
+    if save_everything:
         return jax.checkpoint_policies.everything_saveable
-    chosen = decisions(preset, tensors)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[n for n, d in chosen.items() if d == DEVICE],
         names_which_can_be_offloaded=[n for n, d in chosen.items() if d == OFFLOAD],
