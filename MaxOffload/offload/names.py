@@ -40,6 +40,10 @@ MLPWI_0 = "mlpwi_0"
 MLPWI_1 = "mlpwi_1"
 MLPWO = "mlpwo"
 
+# The layer input is the scan carry: jax.checkpoint keeps a checkpointed function's inputs,
+# so the backward pass always has it in HBM whatever the policy says (jax#23869).
+ALWAYS_KEPT = (DECODER_LAYER_INPUT,)
+
 for _name in (DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT,
               OUT_PROJ, MLPWI_0, MLPWI_1, MLPWO):
     assert _name in VOCABULARY, _name

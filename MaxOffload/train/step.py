@@ -74,20 +74,34 @@ class TrainSetup:
         logits = nnx.merge(self.graphdef, params)(batch["inputs"])
         return masked_cross_entropy(logits, batch["targets"], batch["mask"])
 
+    def abstract_batch(self):
+        """Shapes, dtypes and shardings of one global batch (see MaxOffload.data)."""
+        shape = (self.cfg.train.per_device_batch_size * self.mesh.size, self.cfg.train.seq_len)
+        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in dtypes.items()}
+
     def batch_shardings(self):
         return {"inputs": self.batch_sharding, "targets": self.batch_sharding, "mask": self.batch_sharding}
 
-    def compile_train_step(self, abstract_batch):
-        """AOT-compiles the training step (state donated) for batches shaped like abstract_batch."""
-        jitted = jax.jit(self.train_step, in_shardings=(self.state_shardings, self.batch_shardings()),
-                         out_shardings=(self.state_shardings, None), donate_argnums=0)
-        with logical.activate(self.mesh, self.rules):
-            return jitted.lower(self.abstract_state, abstract_batch).compile()
+    def jitted_train_step(self):
+        """The training step under jit with explicit shardings; the state is donated."""
+        return jax.jit(self.train_step, in_shardings=(self.state_shardings, self.batch_shardings()),
+                       out_shardings=(self.state_shardings, None), donate_argnums=0)
 
-    def compile_eval_step(self, abstract_batch):
+    def lower_train_step(self, lower=None):
+        """Lowers the real training step for abstract inputs; `lower(jitted, *args)` may replace
+        `jitted.lower(*args)` (e.g. jax.export for another platform)."""
+        jitted, args = self.jitted_train_step(), (self.abstract_state, self.abstract_batch())
+        with logical.activate(self.mesh, self.rules):
+            return lower(jitted, *args) if lower else jitted.lower(*args)
+
+    def compile_train_step(self):
+        return self.lower_train_step().compile()
+
+    def compile_eval_step(self):
         jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"], self.batch_shardings()))
         with logical.activate(self.mesh, self.rules):
-            return jitted.lower(self.abstract_state["params"], abstract_batch).compile()
+            return jitted.lower(self.abstract_state["params"], self.abstract_batch()).compile()
 
     def put_batch(self, batch):
         """This process's rows of a global batch -> global arrays sharded over the batch axes."""

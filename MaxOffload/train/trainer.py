@@ -69,12 +69,10 @@ def run(cfg):
     data = data_lib.build(cfg, jax.process_index(), jax.process_count())
     _say(f"data: {data.description}")
     state = setup.init_state()
-    abstract_batch = {k: jax.ShapeDtypeStruct((global_batch,) + v.shape[1:], v.dtype, sharding=setup.batch_sharding)
-                      for k, v in data.train_batch(0).items()}
     _say("compiling the training step ...")
     started = time.perf_counter()
-    train_step = setup.compile_train_step(abstract_batch)
-    eval_step = setup.compile_eval_step(abstract_batch)
+    train_step = setup.compile_train_step()
+    eval_step = setup.compile_eval_step()
     summary["compile_time_s"] = time.perf_counter() - started
     _say(f"compiled in {summary['compile_time_s']:.1f} s; training {cfg.train.steps} steps of {global_batch} x "
          f"{cfg.train.seq_len} tokens")

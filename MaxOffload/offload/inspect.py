@@ -1,0 +1,269 @@
+"""Proof of placement: what the real training step does with every named activation.
+
+    python -m MaxOffload.offload.inspect CONFIG.py[:ARG] [overrides...] [--no_cpu_memory]
+
+Traces the same training step as train.py and reads, per scan segment (layer group), what
+the backward pass gets for each tagged name: a residual moved to pinned host ("offload"),
+a residual kept in device memory ("device"), or a recomputation ("remat"). It then lowers
+the step for CUDA on this machine (`jax.export`, platforms=["cuda"]) and checks that the
+lowered program holds exactly one pinned_host placement per offloaded tensor. Writes
+<run.output_dir>/offload_report.json. Exit status: 0 all as requested, 1 a requested setting
+did not take effect, 2 a configuration error.
+"""
+import collections
+import json
+import math
+import os
+import re
+import sys
+
+from MaxOffload.offload import names
+
+_SEGMENT = re.compile(r"layers_(\d+)_(\d+)")
+_PLACEMENT = re.compile(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_placement = \"pinned_host\".*?:\s*"
+                        r"\(tensor<([^>]*)>\)")
+_HLO_DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16", "f64": "float64", "i32": "int32"}
+
+
+def _sub_jaxprs(eqn):
+    for param in eqn.params.values():
+        for item in param if isinstance(param, (list, tuple)) else (param,):
+            if hasattr(item, "jaxpr") and hasattr(item, "consts"):
+                yield item.jaxpr
+            elif hasattr(item, "eqns"):
+                yield item
+
+
+def _is_host_put(eqn):
+    return eqn.primitive.name == "device_put" and any("Host" in str(d) for d in eqn.params.get("devices", ()))
+
+
+_IDENTITIES = ("reduce_precision", "copy", "copy_p", "optimization_barrier")
+
+
+def _aliases(body, name_eqn):
+    """ids of the vars holding the tagged value: the `name` input and output, and what identity ops
+    (remat inserts reduce_precision before saving) make of them."""
+    same = {id(name_eqn.invars[0]), id(name_eqn.outvars[0])}
+    for eqn in body.eqns:  # eqns are in topological order
+        if eqn.primitive.name in _IDENTITIES and len(eqn.invars) == 1 and id(eqn.invars[0]) in same:
+            same.add(id(eqn.outvars[0]))
+    return same
+
+
+def classify_residuals(closed_jaxpr):
+    """{segment label: {name: (kind, aval)}} read off a training step's jaxpr.
+
+    kind, for the forward scan of each segment: "offload" (the tagged value is moved to host and
+    handed to the backward pass), "device" (handed over as it is), "offload+device" (both: the
+    host copy saves no HBM), "remat" (recomputed in the backward scan), "unused" (tagged, but
+    the backward pass never needs it).
+    """
+    found = collections.defaultdict(dict)
+
+    def forward_body(body, label):
+        outputs = {id(v) for v in body.outvars}
+        for eqn in body.eqns:
+            if eqn.primitive.name != "name":
+                continue
+            same = _aliases(body, eqn)
+            on_host = any(_is_host_put(c) and id(c.invars[0]) in same and id(c.outvars[0]) in outputs
+                          for c in body.eqns)
+            on_device = bool(same & outputs)
+            kind = {(True, True): "offload+device", (True, False): "offload", (False, True): "device"}.get(
+                (on_host, on_device), "unused")
+            found[label].setdefault(eqn.params["name"], (kind, eqn.outvars[0].aval))
+
+    def recomputed(jaxpr, label):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                name = eqn.params["name"]
+                kind, aval = found[label].get(name, ("unused", eqn.outvars[0].aval))
+                if kind == "unused":
+                    found[label][name] = ("remat", aval)
+            for sub in _sub_jaxprs(eqn):
+                recomputed(sub, label)
+
+    scans = []
+
+    def walk(jaxpr, stack):
+        for eqn in jaxpr.eqns:
+            here = f"{stack}/{eqn.source_info.name_stack}"
+            if eqn.primitive.name == "scan" and _SEGMENT.search(here):
+                scans.append((eqn, here))
+            else:
+                for sub in _sub_jaxprs(eqn):
+                    walk(sub, here)
+
+    walk(closed_jaxpr.jaxpr, "")
+    for eqn, stack in scans:  # forward scans first: they decide what is handed over
+        if "transpose(" not in stack:
+            forward_body(eqn.params["jaxpr"].jaxpr, _SEGMENT.search(stack).group(0))
+    for eqn, stack in scans:
+        if "transpose(" in stack:
+            recomputed(eqn.params["jaxpr"].jaxpr, _SEGMENT.search(stack).group(0))
+    return found
+
+
+def _as_requested(name, want, got):
+    """Whether the step did what was asked. Not needing a tensor at all always satisfies the request."""
+    if got == "unused" or want == got:
+        return True
+    return want == "remat" and got == "device" and name in names.ALWAYS_KEPT
+
+
+def cuda_host_placements(module_text):
+    """[(shape tuple, dtype name)] of every pinned_host placement in a lowered StableHLO module."""
+    placements = []
+    for match in _PLACEMENT.finditer(module_text):
+        *dims, dtype = match.group(1).split("x")
+        placements.append((tuple(int(d) for d in dims), _HLO_DTYPES.get(dtype, dtype)))
+    return placements
+
+
+def _batch_shards(setup):
+    from MaxOffload.parallel.logical import partition_spec
+
+    spec = partition_spec(("activation_batch",), setup.rules, setup.mesh.axis_names)[0]
+    axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
+    return math.prod(setup.mesh.shape[a] for a in axes)
+
+
+def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
+    """The offload report (a dict) for a config; see the module docstring."""
+    import jax
+
+    from MaxOffload import models
+    from MaxOffload.parallel import logical
+
+    with logical.activate(setup.mesh, setup.rules):
+        jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
+    found = classify_residuals(jaxpr)
+    if lowered_text is None:
+        exported = setup.lower_train_step(lambda jitted, *args: jax.export.export(jitted, platforms=["cuda"])(*args))
+        lowered_text = exported.mlir_module()
+    placements = cuda_host_placements(lowered_text)
+    shards = _batch_shards(setup)
+
+    groups, problems, expected_placements = {}, [], []
+    for segment in models.remat_segments(cfg):
+        requested = dict(segment.decisions)
+        seen = found.get(segment.label, {})
+        layers = segment.stop - segment.start
+        entry = {"model_group": segment.model_group, "remat_group": segment.group or None,
+                 "layers": [segment.start, segment.stop - 1], "offloaded": [], "saved": [], "remat": [],
+                 "unused": [], "tensors": {}, "offload_bytes_per_device": 0, "missing": []}
+        for name, (kind, aval) in seen.items():
+            per_device = math.prod(aval.shape) * aval.dtype.itemsize * layers // shards
+            entry["tensors"][name] = {"requested": requested[name], "result": kind, "shape": list(aval.shape),
+                                      "dtype": str(aval.dtype), "bytes_per_device_per_step": per_device}
+            if kind.startswith("offload"):
+                entry["offload_bytes_per_device"] += per_device
+                expected_placements.append((tuple(aval.shape), str(aval.dtype)))
+            entry["offloaded" if kind.startswith("offload") else "saved" if kind == "device" else kind].append(name)
+            if not _as_requested(name, requested[name], kind):
+                problems.append(f"{segment.label}: {name} requested {requested[name]}, got {kind}"
+                                + (" (the layer input is the scan carry, which the backward always keeps; "
+                                   "offloading it saves no HBM, jax#23869)" if name in names.ALWAYS_KEPT else ""))
+        for name, want in requested.items():
+            if want != "remat" and name not in seen and name in models.FAMILIES[cfg.model.family].TAGGED_NAMES:
+                entry["missing"].append(name)
+                problems.append(f"{segment.label}: {name} requested {want} but the step never tags it")
+        groups[segment.label] = entry
+    if collections.Counter(placements) != collections.Counter(expected_placements):
+        problems.append(f"CUDA lowering has {len(placements)} pinned_host placements {sorted(placements)}, "
+                        f"expected {len(expected_placements)} {sorted(expected_placements)}")
+    report = {"config": cfg.run.output_dir, "devices": setup.mesh.size, "batch_shards": shards,
+              "groups": groups, "cuda_pinned_host_placements": len(placements),
+              "offload_bytes_per_device": sum(g["offload_bytes_per_device"] for g in groups.values()),
+              "problems": problems}
+    if cpu_memory:
+        report["cpu_temp_bytes"] = cpu_temp_bytes(cfg)
+    return report
+
+
+def cpu_temp_bytes(cfg):
+    """Compiled (XLA:CPU) temporary bytes of the step for this config's policy, full remat and save_all.
+
+    On CPU an offloaded tensor is simply saved, so these show what saving costs in device
+    memory — the HBM that offloading gives back — not the host side.
+    """
+    from MaxOffload.parallel import mesh as mesh_lib
+    from MaxOffload.train.step import TrainSetup
+
+    out = {}
+    for label, overrides in (("this config", None), ("full", "full"), ("save_all", "save_all")):
+        variant = cfg
+        if overrides:
+            variant = cfg.copy_and_resolve_references()
+            with variant.unlocked():
+                variant.remat.policy = overrides
+                for name in variant.remat.tensors:
+                    variant.remat.tensors[name] = ""
+                for group in list(variant.remat.groups):
+                    del variant.remat.groups[group]
+        compiled = TrainSetup(variant, mesh_lib.make()).compile_train_step()
+        out[label] = int(compiled.memory_analysis().temp_size_in_bytes)
+    return out
+
+
+def _mb(n):
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def format_report(report):
+    lines = []
+    for label, g in report["groups"].items():
+        who = f"remat.groups.{g['remat_group']}" if g["remat_group"] else "remat.policy / remat.tensors"
+        lines.append(f"layers {g['layers'][0]}-{g['layers'][1]} ({g['model_group']}; {who}): "
+                     f"offloaded {_mb(g['offload_bytes_per_device'])} per device per step")
+        lines.append(f"  {'tensor':<20} {'requested':<9} {'result':<8} {'shape per layer':<22} {'dtype':<9} "
+                     f"size/device/step")
+        for name, t in g["tensors"].items():
+            lines.append(f"  {name:<20} {t['requested']:<9} {t['result']:<8} {'x'.join(map(str, t['shape'])):<22} "
+                         f"{t['dtype']:<9} {_mb(t['bytes_per_device_per_step'])}")
+        lines.append(f"  on host: {', '.join(g['offloaded']) or '-'} | in HBM: {', '.join(g['saved']) or '-'} | "
+                     f"recomputed: {', '.join(g['remat']) or '-'} | not needed: {', '.join(g['unused']) or '-'} | "
+                     f"missing: {', '.join(g['missing']) or 'none'}")
+    lines.append(f"CUDA lowering: {report['cuda_pinned_host_placements']} pinned_host placements; "
+                 f"offloaded in total {_mb(report['offload_bytes_per_device'])} per device per step "
+                 f"(activations sharded {report['batch_shards']} ways over the batch)")
+    if "cpu_temp_bytes" in report:
+        lines.append("XLA:CPU compiled temp bytes (a saved or offloaded tensor is kept in memory on CPU): "
+                     + " | ".join(f"{k} {_mb(v)}" for k, v in report["cpu_temp_bytes"].items()))
+    lines.append("all requested placements confirmed" if not report["problems"] else
+                 "PROBLEMS:\n  " + "\n  ".join(report["problems"]))
+    return "\n".join(lines)
+
+
+def main(argv):
+    from MaxOffload.config import ConfigError, load
+    from MaxOffload.parallel import mesh as mesh_lib
+    from MaxOffload.train.step import TrainSetup
+
+    cpu_memory = "--no_cpu_memory" not in argv
+    argv = [a for a in argv if a != "--no_cpu_memory"]
+    try:
+        cfg = load(argv)
+        if not cfg.model.scan_layers:
+            raise ConfigError("inspect reads the scanned layer segments; drop model.scan_layers=false")
+        setup = TrainSetup(cfg, mesh_lib.make())
+        os.makedirs(cfg.run.output_dir, exist_ok=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: run.output_dir={cfg.run.output_dir}: {e.strerror}", file=sys.stderr)
+        return 2
+    print(f"lowering the training step of {argv[0]} for CUDA ...", flush=True)
+    report = build_report(cfg, setup, cpu_memory=cpu_memory and setup.params_total() < 200_000_000)
+    path = os.path.join(cfg.run.output_dir, "offload_report.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(format_report(report))
+    print(f"wrote {path}")
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
