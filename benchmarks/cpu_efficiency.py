@@ -43,8 +43,7 @@ def main():
     global_batch = cfg.train.per_device_batch_size * len(devices)
     flops_per_step = train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)
     batch = setup.put_batch(data.train_batch(0))
-    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
-    step = setup.compile_train_step(abstract)
+    step = setup.compile_train_step()
     state = setup.init_state()
 
     n, dtype = args.matmul_size, jnp.dtype(cfg.model.compute_dtype)
