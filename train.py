@@ -22,6 +22,7 @@ def main(argv):
         print_help()
         return 0 if argv else 2
     from MaxOffload.config import ConfigError, load
+    from MaxOffload.offload.parity import ParityError
 
     try:
         cfg = load(argv)
@@ -31,6 +32,9 @@ def main(argv):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ParityError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -62,6 +62,10 @@ SCHEMA = {
         # Per-layer-group overrides: remat.groups.NAME.{layers, policy, tensors.*}; see GROUP below.
         "groups": {},
     },
+    "offload": {
+        "verify_parity": (False, "before training, check that this policy gives full remat's loss and gradients "
+                                 "(python -m MaxOffload.offload.parity); stop if not"),
+    },
     "data": {
         "source": ("text", "text (byte-level tokens of data.text_files) | synthetic (seeded random tokens)"),
         "text_files": ([], "UTF-8 text files to train on; empty = Python's own bundled documentation"),

@@ -191,17 +191,11 @@ def cpu_temp_bytes(cfg):
     from MaxOffload.parallel import mesh as mesh_lib
     from MaxOffload.train.step import TrainSetup
 
+    from MaxOffload.offload.segments import with_policy
+
     out = {}
-    for label, overrides in (("this config", None), ("full", "full"), ("save_all", "save_all")):
-        variant = cfg
-        if overrides:
-            variant = cfg.copy_and_resolve_references()
-            with variant.unlocked():
-                variant.remat.policy = overrides
-                for name in variant.remat.tensors:
-                    variant.remat.tensors[name] = ""
-                for group in list(variant.remat.groups):
-                    del variant.remat.groups[group]
+    for label, variant in (("this config", cfg), ("full", with_policy(cfg, "full")),
+                           ("save_all", with_policy(cfg, "save_all"))):
         compiled = TrainSetup(variant, mesh_lib.make()).compile_train_step()
         out[label] = int(compiled.memory_analysis().temp_size_in_bytes)
     return out

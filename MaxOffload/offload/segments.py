@@ -83,3 +83,15 @@ def layer_segments(remat_cfg, model_groups):
                 chosen, everything = group_decisions(remat_cfg, remat_cfg.groups[name] if name else None)
                 segments.append(Segment(model_group, layer, layer + 1, name, chosen, everything))
     return segments
+
+
+def with_policy(cfg, preset):
+    """A copy of cfg whose every layer uses `preset` (no per-tensor settings, no groups)."""
+    variant = cfg.copy_and_resolve_references()
+    with variant.unlocked():
+        variant.remat.policy = preset
+        for name in variant.remat.tensors:
+            variant.remat.tensors[name] = ""
+        for group in list(variant.remat.groups):
+            del variant.remat.groups[group]
+    return variant

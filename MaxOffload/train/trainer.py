@@ -47,6 +47,17 @@ def prepare_output_dir(cfg):
                           "choose a writable directory") from None
 
 
+def verify_parity(cfg):
+    from MaxOffload.offload import parity
+
+    _say("offload.verify_parity: comparing this policy with full remat on one batch ...")
+    ref_loss, tolerance, rows = parity.compare(cfg)
+    _say(parity.format_rows(ref_loss, tolerance, rows))
+    if not all(row[4] for row in rows):
+        raise parity.ParityError("the configured remat/offload policy changes the loss or gradients beyond tolerance; "
+                          "not training. Try another XLA version or policy, and report it.")
+
+
 def run(cfg):
     out = cfg.run.output_dir
     _say("MaxOffload config:\n" + describe(cfg))
@@ -66,6 +77,8 @@ def run(cfg):
         _say(f"dry run: nothing allocated or compiled; wrote {os.path.join(out, 'summary.json')}")
         return 0
 
+    if cfg.offload.verify_parity:
+        verify_parity(cfg)
     data = data_lib.build(cfg, jax.process_index(), jax.process_count())
     _say(f"data: {data.description}")
     state = setup.init_state()
