@@ -18,9 +18,9 @@ def print_help():
 
 
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print_help()
-        return 0 if argv else 2
+        return 0
     from MaxOffload.config import ConfigError, load
     from MaxOffload.offload.parity import ParityError
 

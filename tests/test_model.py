@@ -383,7 +383,7 @@ def test_matmul_params_match_built_model():
     cfg.model.update(dict(vocab_size=100, emb_dim=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
                           mlp_dim=16))
     model = nnx.eval_shape(lambda: models.build(cfg))
-    params = nnx.state(model, nnx.Param).to_pure_dict()
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     total = n_params(params)
     embedding = math.prod(params["embed"].shape)
     norms = n_params(params["final_norm"]) + n_params(params["layers"]["attention_norm"]) + \

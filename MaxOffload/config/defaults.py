@@ -21,7 +21,7 @@ SCHEMA = {
         "seq_len": (256, "tokens per sequence"),
         "learning_rate": (3e-4, "peak learning rate, reached after the warmup"),
         "warmup_steps": (10, "linear warmup from 0 to learning_rate"),
-        "final_lr_ratio": (0.1, "cosine decay ends at learning_rate * final_lr_ratio at the last step"),
+        "final_lr_ratio": (0.1, "cosine decay towards learning_rate * final_lr_ratio, reached after train.steps updates"),
         "weight_decay": (0.1, "AdamW decoupled weight decay (not applied to norms, biases, embeddings)"),
         "decay_embeddings": (False, "also apply weight decay to the token embedding / unembedding"),
         "adam_b1": (0.9, "AdamW beta1"),
@@ -63,6 +63,10 @@ SCHEMA = {
         "groups": {},
     },
     "offload": {
+        "params": (False, "keep parameters in pinned host memory; each layer's weights are copied to HBM inside "
+                          "the layer scan, so forward and backward hold one layer's weights at a time"),
+        "optimizer_state": (False, "keep the optimizer state (Adam moments) in pinned host memory; it visits "
+                                   "HBM only for the update inside the step"),
         "verify_parity": (False, "before training, check that this policy gives full remat's loss and gradients "
                                  "(python -m MaxOffload.offload.parity); stop if not"),
     },
@@ -72,7 +76,8 @@ SCHEMA = {
         "eval_fraction": (0.05, "fraction of documents held out for evaluation"),
     },
     "hardware": {
-        "peak_tflops_per_device": (0.0, "bf16 peak TFLOP/s per device for MFU; 0 = look up the device kind"),
+        "peak_tflops_per_device": (None, float, "peak TFLOP/s per device for MFU; None = look up the device kind in "
+                                              "MaxOffload/hardware.py"),
     },
 }
 

@@ -7,6 +7,7 @@ import ast
 import difflib
 import importlib.util
 import os
+import re
 
 import ml_collections
 
@@ -45,17 +46,45 @@ def load_file(spec):
         raise ConfigError(f"config file {path} failed to load: {type(e).__name__}: {e}") from None
     if not callable(getattr(module, "get_config", None)):
         raise ConfigError(f"config file {path} defines no get_config(); add one that returns a ConfigDict")
+    call = f"get_config({arg!r})" if arg else "get_config()"
     try:
         cfg = module.get_config(arg) if arg else module.get_config()
     except ConfigError:
         raise
     except Exception as e:
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{path}: get_config({arg!r}) failed: {type(e).__name__}: {detail}") from None
+        raise ConfigError(f"{path}: {_explain(e)}" if _locked_key(e) else
+                          f"{path}: {call} failed: {type(e).__name__}: {_first_line(e)}") from None
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}; return a ConfigDict "
                           "(start from MaxOffload.config.defaults.get_config())")
     return cfg
+
+
+def _root_cause(e):
+    while e.args and isinstance(e.args[0], BaseException):  # ml_collections wraps KeyError in AttributeError
+        e = e.args[0]
+    return e
+
+
+def _first_line(e):
+    text = str(_root_cause(e).args[0] if _root_cause(e).args else e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _locked_key(e):
+    """The key a config file tried to add to the locked defaults, or None."""
+    match = re.match(r'Key "([^"]+)" does not exist and cannot be added', _first_line(e))
+    return match.group(1) if match else None
+
+
+def _explain(e):
+    from MaxOffload.config.defaults import get_config
+
+    leaf = _locked_key(e)
+    known = flat_keys(get_config())
+    close = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.6)
+    hint = f" (did you mean {[k for k in known if k.endswith('.' + close[0])][0]}?)" if close else ""
+    return f"sets unknown config key {leaf!r}{hint}; `python train.py --help` lists all keys"
 
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -85,14 +114,15 @@ def parse_value(key, text, current, field_type):
         except ValueError:
             raise ConfigError(f"{key} expects a number, got {text!r}") from None
     if field_type in (list, tuple):
+        body = text
         if text.startswith(("[", "(")):
             try:
-                items = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                raise ConfigError(f"{key} expects a list such as [a,b] or a,b; could not parse {text!r}") from None
-        else:
-            items = [t for t in text.split(",") if t]
-        return field_type(items)
+                return field_type(ast.literal_eval(text))
+            except (ValueError, SyntaxError):  # unquoted items: [a.txt,b.txt]
+                if not text.endswith(("]", ")")):
+                    raise ConfigError(f"{key} expects a list such as [a,b] or a,b; could not parse {text!r}") from None
+                body = text[1:-1]
+        return field_type(item.strip() for item in body.split(",") if item.strip())
     return text
 
 
@@ -173,7 +203,7 @@ def describe(cfg):
     for section, values in cfg.items():
         items = []
         for key in flat_keys(values):
-            value = _get_path(values, key)
+            value = get_path(values, key)
             if ".tensors." in f".{key}" and value == "":
                 continue
             items.append(f"{key}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
@@ -181,7 +211,7 @@ def describe(cfg):
     return "\n".join(lines)
 
 
-def _get_path(cfg, key):
+def get_path(cfg, key):
     for part in key.split("."):
         cfg = cfg[part]
     return cfg

@@ -3,17 +3,14 @@ import math
 import os
 
 from MaxOffload.config import defaults
-from MaxOffload.config.loader import ConfigError, flat_keys, suggest
+from MaxOffload.config.loader import ConfigError, flat_keys, get_path, suggest
 from MaxOffload.offload import policy
 
 DTYPES = ("float32", "bfloat16")
 
 
 def _get(cfg, key):
-    node = cfg
-    for part in key.split("."):
-        node = node[part]
-    return node
+    return get_path(cfg, key)
 
 
 def _check_keys_and_types(cfg, reference=None, prefix=""):
@@ -29,7 +26,10 @@ def _check_keys_and_types(cfg, reference=None, prefix=""):
         if key not in given:
             raise ConfigError(f"config key {prefix + key!r} is missing; build configs on "
                               "MaxOffload.config.defaults.get_config() (and layer_group() for remat.groups)")
-        want, value = type(_get(reference, key)), _get(cfg, key)
+        parent, _, leaf = key.rpartition(".")
+        want, value = (_get(reference, parent) if parent else reference).get_type(leaf), _get(cfg, key)
+        if value is None and _get(reference, key) is None:  # a placeholder: None is allowed
+            continue
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             continue
         if want in (list, tuple) and isinstance(value, (list, tuple)):
@@ -121,10 +121,12 @@ def validate(cfg):
 
     _choice("data.source", data.source, ("text", "synthetic"))
     for path in data.text_files:
+        _require(isinstance(path, str), f"data.text_files: {path!r} is not a path; give file names")
         _require(os.path.isfile(path), f"data.text_files: {path} not found; give existing UTF-8 text files")
     _require(0 < data.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
     if data.source == "text":
         _require(model.vocab_size >= tokenizer.VOCAB_SIZE,
                  f"model.vocab_size={model.vocab_size} is below the byte tokenizer's {tokenizer.VOCAB_SIZE} "
                  f"tokens; set model.vocab_size>={tokenizer.VOCAB_SIZE}")
-    _require(cfg.hardware.peak_tflops_per_device >= 0, "hardware.peak_tflops_per_device must be >= 0")
+    peak = cfg.hardware.peak_tflops_per_device
+    _require(peak is None or peak > 0, f"hardware.peak_tflops_per_device must be > 0 (or None to look it up), got {peak}")

@@ -42,4 +42,4 @@ def build(cfg, rngs=None):
     """The model with freshly initialised parameters (call under jax.eval_shape for shapes only)."""
     rngs = rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed)
     return FAMILIES[cfg.model.family].model_class(model_config(cfg), remat_segments=_segments_by_stack(cfg),
-                                                  rngs=rngs)
+                                                  params_on_host=cfg.offload.params, rngs=rngs)

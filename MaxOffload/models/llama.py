@@ -98,18 +98,20 @@ def stacked_layers(make_layer, num_layers, rngs):
     return create(rngs)
 
 
-def run_layers(layers, x, positions, segments, scan):
+def run_layers(layers, x, positions, segments, scan, params_on_host=False):
     """Applies stacked `layers` to x, segment by segment.
 
     segments: ((start, stop, policy, label), ...) covering the layers in order; each segment
     is one `jax.checkpoint` with its own remat/offload policy, traced under the name scope
     `label` (offload/inspect.py reads it back). scan=False runs a Python loop over the same
-    stacked parameters (for tests and debugging).
+    stacked parameters (for tests and debugging). params_on_host: the stacked parameters live
+    in pinned host memory and each layer's slice is copied to the device inside the scan, so
+    only the current layer's weights need HBM.
     """
     graphdef, stacked = nnx.split(layers)
 
     def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, positions), None
+        return nnx.merge(graphdef, to_device(layer_state, params_on_host))(h, positions), None
 
     for start, stop, policy, label in segments:
         segment_state = stacked if (start, stop) == (0, _depth(stacked)) else \
@@ -124,14 +126,28 @@ def run_layers(layers, x, positions, segments, scan):
     return x
 
 
+def to_device(tree, enabled=True):
+    """Copies host-resident values into device memory inside a jitted step (no-op when not enabled)."""
+    return jax.device_put(tree, jax.memory.Space.Device) if enabled else tree
+
+
+def on_device(module, enabled=True):
+    """The module with its parameters copied to device memory (itself when not enabled)."""
+    if not enabled:
+        return module
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, to_device(state))
+
+
 def _depth(stacked):
     return jax.tree.leaves(stacked)[0].shape[0]
 
 
 class Llama(nnx.Module):
-    def __init__(self, c: LlamaConfig, *, remat_segments, rngs):
+    def __init__(self, c: LlamaConfig, *, remat_segments, params_on_host=False, rngs):
         pdt = jnp.dtype(c.param_dtype)
         self.config = c
+        self.params_on_host = params_on_host
         self.remat_segments = remat_segments["decoder"]
         self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), pdt, c.init_std)
         self.layers = stacked_layers(lambda r: DecoderLayer(c, rngs=r), c.num_layers, rngs)
@@ -144,9 +160,11 @@ class Llama(nnx.Module):
         c = self.config
         cdt = jnp.dtype(c.compute_dtype)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED)
-        x = run_layers(self.layers, x, positions, self.remat_segments, c.scan_layers)
-        x = self.final_norm(x)
-        unembed = self.embed[...].T if c.tie_embeddings else self.unembed[...]
+        host = self.params_on_host
+        embed = to_device(self.embed[...], host)
+        x = constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED)
+        x = run_layers(self.layers, x, positions, self.remat_segments, c.scan_layers, host)
+        x = on_device(self.final_norm, host)(x)
+        unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
         logits = jnp.einsum("ble,ev->blv", x, unembed.astype(cdt), preferred_element_type=jnp.float32)
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))

@@ -8,10 +8,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models
+from MaxOffload.models.llama import to_device
 from MaxOffload.parallel import logical
 from MaxOffload.train import optimizer
 
 BATCH_AXES = ("activation_batch", "activation_length")
+HOST, DEVICE = "pinned_host", "device"
 
 
 def masked_cross_entropy(logits, targets, mask):
@@ -34,22 +36,24 @@ class TrainSetup:
         self.model_config = models.model_config(cfg)
         abstract_model = nnx.eval_shape(lambda: models.build(cfg))
         self.graphdef, abstract_params = nnx.split(abstract_model)
-        logical_specs = nnx.get_partition_spec(abstract_params).to_pure_dict()
+        logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
         param_shardings = jax.tree.map(lambda spec: logical.named_sharding(mesh, tuple(spec), rules), logical_specs,
                                        is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.abstract_state = jax.eval_shape(self._init)
         replicated = NamedSharding(mesh, PartitionSpec())
+        params_kind = HOST if cfg.offload.params else DEVICE
+        opt_kind = HOST if cfg.offload.optimizer_state else DEVICE
         self.state_shardings = {
             "step": replicated,
-            "params": param_shardings,
-            "opt_state": optax.tree_map_params(self.tx, lambda _, sharding: sharding,
+            "params": jax.tree.map(lambda s: s.with_memory_kind(params_kind), param_shardings),
+            "opt_state": optax.tree_map_params(self.tx, lambda _, sharding: sharding.with_memory_kind(opt_kind),
                                                self.abstract_state["opt_state"], param_shardings,
                                                transform_non_params=lambda _: replicated),
         }
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
 
     def _init(self):
-        params = nnx.state(models.build(self.cfg)).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(models.build(self.cfg)))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
 
     def init_state(self):
@@ -64,8 +68,14 @@ class TrainSetup:
 
     def train_step(self, state, batch):
         loss, grads = jax.value_and_grad(self.loss)(state["params"], batch)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+        # Host-resident state visits HBM for the elementwise update only; the out_shardings
+        # send the results back to pinned host memory.
+        offload = self.cfg.offload
+        params = to_device(state["params"], offload.params)
+        grads = to_device(grads, offload.params)
+        opt_state = to_device(state["opt_state"], offload.optimizer_state)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state}
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self.schedule(state["step"])}
         return new_state, metrics
@@ -107,11 +117,14 @@ class TrainSetup:
         """This process's rows of a global batch -> global arrays sharded over the batch axes."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
 
-    def state_bytes_per_device(self):
-        """Bytes of params + optimizer state that each device holds under the state shardings."""
-        per_leaf = jax.tree.map(lambda leaf, sharding: math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize,
-                                self.abstract_state, self.state_shardings)
-        return int(sum(jax.tree.leaves(per_leaf)))
+    def state_bytes_per_device(self, memory_kind=None):
+        """Bytes of params + optimizer state per device under the state shardings (in one memory kind)."""
+        def nbytes(leaf, sharding):
+            if memory_kind and (sharding.memory_kind or DEVICE) != memory_kind:
+                return 0
+            return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+        return int(sum(jax.tree.leaves(jax.tree.map(nbytes, self.abstract_state, self.state_shardings))))
 
     def params_total(self):
         return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self.abstract_state["params"])))

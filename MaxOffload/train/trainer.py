@@ -32,7 +32,7 @@ def _write_json(path, obj):
 
 
 def peak_flops_per_device(cfg):
-    if cfg.hardware.peak_tflops_per_device > 0:
+    if cfg.hardware.peak_tflops_per_device is not None:
         return cfg.hardware.peak_tflops_per_device * 1e12
     accelerator = hardware.lookup(jax.devices()[0].device_kind)
     return accelerator.bf16_peak_flops if accelerator else None

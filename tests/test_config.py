@@ -1,0 +1,393 @@
+"""The configuration system: loading config files, overrides, validation, and the CLI's error contract.
+
+CLI contract: `python train.py CONFIG.py[:ARG] [a.b=value | --config.a.b=value | --config.a.b value ...]`;
+any user mistake gives exactly one line on stderr starting with "error: " (naming the key or file and
+the fix), exit status 2, and no traceback.
+"""
+import concurrent.futures
+import json
+import os
+
+import ml_collections
+import pytest
+
+from MaxOffload.config import ConfigError, defaults, load
+from MaxOffload.config.validate import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+LLAMA = os.path.join(ROOT, "configs", "llama3_1.py")
+
+
+def assert_user_error(result, *words):
+    """exit 2, exactly one stderr line starting with 'error: ' that contains every word, no traceback."""
+    err = result.stderr
+    assert result.returncode == 2, f"exit {result.returncode}; stderr:\n{err}\nstdout tail:\n{result.stdout[-2000:]}"
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{err}"
+    assert lines[0].startswith("error: "), lines[0]
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# In-process loading
+# --------------------------------------------------------------------------------------------
+
+def test_quickstart_values():
+    cfg = load([QUICKSTART])
+    assert cfg.run.output_dir == "runs/quickstart"
+    assert cfg.train.steps == 300
+    assert cfg.train.per_device_batch_size == 8
+    assert cfg.train.seq_len == 256
+    assert cfg.train.learning_rate == pytest.approx(3e-3)
+    assert cfg.train.warmup_steps == 20
+    assert cfg.train.eval_every == 100
+    assert cfg.run.log_every == 10
+    # the "small" preset
+    assert (cfg.model.vocab_size, cfg.model.emb_dim, cfg.model.num_layers, cfg.model.num_heads,
+            cfg.model.num_kv_heads, cfg.model.head_dim, cfg.model.mlp_dim) == (512, 256, 4, 8, 4, 32, 704)
+    # untouched defaults
+    assert cfg.data.source == "text"
+    assert list(cfg.data.text_files) == []
+    assert cfg.remat.policy == "full"
+    assert cfg.model.family == "llama"
+
+
+def test_llama3_1_405b_values():
+    cfg = load([f"{LLAMA}:405b"])
+    m = cfg.model
+    assert (m.vocab_size, m.emb_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim) == (
+        128256, 16384, 126, 128, 8, 128, 53248)
+    assert m.rope_theta == 500000.0
+    assert m.rope_scaling == "llama3"
+    assert (m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_len) == (
+        8.0, 1.0, 4.0, 8192)
+    assert m.tie_embeddings is False
+    assert cfg.train.seq_len == 8192
+    assert cfg.train.per_device_batch_size == 1
+    assert cfg.train.learning_rate == pytest.approx(1.5e-4)
+    assert cfg.train.warmup_steps == 2000
+    assert cfg.train.steps == 100_000
+    assert cfg.data.source == "synthetic"
+    assert cfg.run.output_dir == "runs/llama3_1_405b"
+
+
+def test_llama3_1_tiny_and_default_size():
+    tiny = load([f"{LLAMA}:tiny"])
+    assert (tiny.model.emb_dim, tiny.model.num_layers, tiny.model.head_dim) == (64, 2, 16)
+    assert tiny.data.source == "text"  # small sizes keep the real text
+    default = load([LLAMA])  # no :ARG -> get_config() -> 8b
+    assert (default.model.emb_dim, default.model.num_layers, default.model.mlp_dim) == (4096, 32, 14336)
+
+
+def test_loaded_config_is_locked():
+    cfg = load([QUICKSTART])
+    with pytest.raises(AttributeError):
+        cfg.train.stepz = 3
+
+
+def test_config_file_receives_its_arg(tmp_path):
+    path = tmp_path / "with_arg.py"
+    path.write_text(
+        "from MaxOffload.config.defaults import get_config as defaults\n"
+        "def get_config(arg='none-given'):\n"
+        "    cfg = defaults()\n"
+        "    cfg.run.output_dir = 'runs/arg_' + arg\n"
+        "    return cfg\n")
+    assert load([f"{path}:hello"]).run.output_dir == "runs/arg_hello"
+    assert load([f"{path}:8b"]).run.output_dir == "runs/arg_8b"
+    assert load([str(path)]).run.output_dir == "runs/arg_none-given"
+    # the --config=FILE:ARG spelling of the first argument
+    assert load([f"--config={path}:xyz"]).run.output_dir == "runs/arg_xyz"
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides and value parsing
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ["train.steps=77"],
+    ["--config.train.steps=77"],
+    ["--config.train.steps", "77"],
+], ids=["plain", "flag_eq", "flag_space"])
+def test_override_styles(args):
+    cfg = load([QUICKSTART, *args])
+    assert cfg.train.steps == 77 and type(cfg.train.steps) is int
+
+
+def test_override_styles_mixed_and_last_wins():
+    cfg = load([QUICKSTART, "train.steps=70", "--config.model.num_layers", "2",
+                "--config.train.seq_len=32", "train.steps=90"])
+    assert (cfg.train.steps, cfg.model.num_layers, cfg.train.seq_len) == (90, 2, 32)
+
+
+@pytest.mark.parametrize("override,key,expected,typ", [
+    ("train.steps=120", "train.steps", 120, int),
+    ("train.steps=1_000", "train.steps", 1000, int),
+    ("train.learning_rate=1e-3", "train.learning_rate", 1e-3, float),
+    ("train.learning_rate=2", "train.learning_rate", 2.0, float),
+    ("train.final_lr_ratio=0.25", "train.final_lr_ratio", 0.25, float),
+    ("model.scan_layers=false", "model.scan_layers", False, bool),
+    ("model.scan_layers=true", "model.scan_layers", True, bool),
+    ("model.tie_embeddings=1", "model.tie_embeddings", True, bool),
+    ("model.scan_layers=0", "model.scan_layers", False, bool),
+    ("model.tie_embeddings=True", "model.tie_embeddings", True, bool),
+    ("model.param_dtype=bfloat16", "model.param_dtype", "bfloat16", str),
+    ("run.output_dir=runs/elsewhere", "run.output_dir", "runs/elsewhere", str),
+    ("remat.policy=minimal_offloaded", "remat.policy", "minimal_offloaded", str),
+    ("remat.tensors.mlpwo=offload", "remat.tensors.mlpwo", "offload", str),
+])
+def test_value_parsing(override, key, expected, typ):
+    cfg = load([QUICKSTART, override])
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    assert node == expected
+    assert type(node) is typ
+
+
+@pytest.fixture
+def two_text_files(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("first file\n")
+    b.write_text("second file\n")
+    return str(a), str(b)
+
+
+@pytest.mark.parametrize("form", ["{a},{b}", "['{a}','{b}']", "[{a},{b}]"], ids=["bare", "quoted_list", "list"])
+def test_list_value(two_text_files, form):
+    a, b = two_text_files
+    cfg = load([QUICKSTART, "data.text_files=" + form.format(a=a, b=b)])
+    assert list(cfg.data.text_files) == [a, b]
+
+
+def test_list_value_through_flag_with_space(two_text_files):
+    a, b = two_text_files
+    cfg = load([QUICKSTART, "--config.data.text_files", f"{a},{b}"])
+    assert list(cfg.data.text_files) == [a, b]
+
+
+def test_list_value_items_are_stripped(two_text_files):
+    """`a, b` (a space after the comma, e.g. quoted in a shell) should mean the same as `a,b`."""
+    a, b = two_text_files
+    cfg = load([QUICKSTART, f"data.text_files={a}, {b}"])
+    assert list(cfg.data.text_files) == [a, b]
+
+
+def test_empty_list_value():
+    assert list(load([QUICKSTART, "data.text_files="]).data.text_files) == []
+    assert list(load([QUICKSTART, "data.text_files=[]"]).data.text_files) == []
+
+
+def test_placeholder_field_accepts_none_and_values():
+    placeholders = [(key, spec) for key, spec in _flat_schema(defaults.SCHEMA) if len(spec) == 3]
+    if not placeholders:
+        pytest.skip("the schema has no placeholder (None-default) field")
+    for key, (_, typ, _) in placeholders:
+        cfg = load([QUICKSTART, f"{key}=none"])
+        node = cfg
+        for part in key.split("."):
+            node = node[part]
+        assert node is None
+        sample = {int: "3", float: "0.5", bool: "true", str: "text"}.get(typ)
+        if sample is not None:
+            cfg = load([QUICKSTART, f"{key}={sample}"])
+            node = cfg
+            for part in key.split("."):
+                node = node[part]
+            assert type(node) is typ
+
+
+def _flat_schema(schema, prefix=""):
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            yield from _flat_schema(spec, f"{prefix}{key}.")
+        else:
+            yield prefix + key, spec
+
+
+def test_in_process_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="train.steps"):
+        load([QUICKSTART, "train.stpes=3"])
+    with pytest.raises(ConfigError, match="no config"):
+        load([])
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs through the real CLI
+# --------------------------------------------------------------------------------------------
+
+TINY = "configs/llama3_1.py:tiny"
+
+
+def _error_cases(tmp):
+    """id -> (argv after `train.py`, words the error line must contain)."""
+    out = os.path.join(tmp, "out")
+    dry = [TINY, "run.dry_run=true", f"run.output_dir={out}"]
+    # a real (non-dry) run, as small as possible: data files are only read when the data is built
+    real = [TINY, f"run.output_dir={out}", "train.steps=2", "train.warmup_steps=0", "train.seq_len=16",
+            "train.per_device_batch_size=2", "train.eval_batches=1"]
+
+    def write(name, text, mode="w"):
+        path = os.path.join(tmp, name)
+        with open(path, mode) as f:
+            f.write(text)
+        return path
+
+    no_get_config = write("no_get_config.py", "X = 1\n")
+    raises = write("raises.py", "def get_config():\n    raise RuntimeError('boom from the user config')\n")
+    syntax = write("syntax.py", "def get_config(:\n    pass\n")
+    returns_dict = write("returns_dict.py", "def get_config():\n    return {'train': {'steps': 3}}\n")
+    unknown_key = write("unknown_key.py",
+                        "from MaxOffload.config.defaults import get_config as defaults\n"
+                        "def get_config():\n    cfg = defaults()\n    cfg.model.emb_dimm = 3\n    return cfg\n")
+    yaml = write("config.yaml", "train:\n  steps: 3\n")
+    not_utf8 = write("latin1.txt", ("caf\xe9 cr\xe8me br\xfbl\xe9e, d\xe9j\xe0 vu. " * 50).encode("latin-1"), mode="wb")
+    short = write("short.txt", "Too short.\n")
+    regular_file = write("regular_file", "not a directory\n")
+    missing = os.path.join(tmp, "missing.txt")
+
+    return {
+        "unknown_key_suggests": (dry + ["train.stpes=3"], ["train.stpes", "did you mean train.steps"]),
+        "unknown_nested_key_suggests": (dry + ["model.num_head=3"], ["model.num_head", "model.num_heads"]),
+        "unknown_option": (dry + ["--foo"], ["--foo"]),
+        "first_arg_is_an_option": (["--config.train.steps=3"], ["config file"]),
+        "override_without_equals": (dry + ["trainsteps"], ["trainsteps", "KEY=VALUE"]),
+        "flag_without_value": (dry + ["--config.train.steps"], ["--config.train.steps"]),
+        "int_given_text": (dry + ["train.steps=abc"], ["train.steps", "abc"]),
+        "int_given_float": (dry + ["train.steps=2.5"], ["train.steps", "2.5"]),
+        "bool_given_maybe": (dry + ["model.scan_layers=maybe"], ["model.scan_layers", "maybe"]),
+        "float_given_x": (dry + ["train.learning_rate=x"], ["train.learning_rate"]),
+        "none_for_str_field": (dry + ["model.family=none"], ["model.family", "None"]),
+        "unparsable_list": (dry + ["data.text_files=[unclosed"], ["data.text_files"]),
+        "steps_zero": (dry + ["train.steps=0"], ["train.steps", "> 0"]),
+        "negative_learning_rate": (dry + ["train.learning_rate=-1e-3"], ["train.learning_rate", ">= 0"]),
+        "eval_fraction_above_one": (dry + ["data.eval_fraction=1.5"], ["data.eval_fraction"]),
+        "final_lr_ratio_above_one": (dry + ["train.final_lr_ratio=2"], ["train.final_lr_ratio"]),
+        "adam_b1_one": (dry + ["train.adam_b1=1"], ["train.adam_b1"]),
+        "warmup_not_below_steps": (dry + ["train.steps=5", "train.warmup_steps=5"],
+                                   ["train.warmup_steps", "train.steps"]),
+        "kv_heads_not_dividing": (dry + ["model.num_kv_heads=3"], ["model.num_kv_heads", "model.num_heads"]),
+        "odd_head_dim": (dry + ["model.head_dim=15"], ["model.head_dim", "even"]),
+        "unknown_dtype": (dry + ["model.compute_dtype=float16"], ["model.compute_dtype", "float16", "bfloat16"]),
+        "unknown_remat_policy": (dry + ["remat.policy=minimall"], ["remat.policy", "did you mean minimal"]),
+        "bad_remat_tensor_value": (dry + ["remat.tensors.mlpwo=offlod"], ["remat.tensors.mlpwo", "offload"]),
+        "untagged_remat_tensor": (dry + ["remat.tensors.moe_mlpwi_0=offload"], ["moe_mlpwi_0", "llama"]),
+        "unknown_model_family": (dry + ["model.family=gpt"], ["model.family", "gpt", "llama"]),
+        "vocab_below_tokenizer": (dry + ["model.vocab_size=258"], ["model.vocab_size", "259"]),
+        "missing_text_file": (dry + [f"data.text_files={missing}"], ["data.text_files", "missing.txt"]),
+        "non_utf8_text_file": (real + [f"data.text_files={not_utf8}"], ["latin1.txt", "UTF-8"]),
+        "text_too_short_for_seq_len": (real + [f"data.text_files={short}", "train.seq_len=64"], ["train.seq_len"]),
+        "output_dir_under_regular_file": ([TINY, "run.dry_run=true",
+                                           f"run.output_dir={os.path.join(regular_file, 'sub')}"],
+                                          ["run.output_dir"]),
+        "missing_config_file": (["configs/does_not_exist.py"], ["configs/does_not_exist.py", "not found"]),
+        "config_not_python": ([yaml], ["config.yaml", "Python"]),
+        "config_without_get_config": ([no_get_config], ["no_get_config.py", "get_config"]),
+        "config_get_config_raises": ([raises], ["raises.py", "boom from the user config"]),
+        "config_syntax_error": ([syntax], ["syntax.py", "SyntaxError"]),
+        "config_returns_dict": ([returns_dict], ["returns_dict.py", "ConfigDict"]),
+        "config_unknown_size_arg": (["configs/llama3_1.py:huge", "run.dry_run=true"], ["huge", "405b"]),
+        "config_sets_unknown_key": ([unknown_key], ["unknown_key.py", "emb_dimm"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def error_results(tmp_path_factory):
+    """Runs every bad input once (three at a time: each is a short-lived Python + JAX import)."""
+    from conftest import run_cli
+
+    tmp = str(tmp_path_factory.mktemp("bad_inputs"))
+    cases = _error_cases(tmp)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(run_cli, ["train.py", *argv], timeout=300)
+                   for name, (argv, _) in cases.items()}
+        return {name: (future.result(), cases[name][1]) for name, future in futures.items()}
+
+
+def _case_ids():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return list(_error_cases(tmp))
+
+
+@pytest.mark.parametrize("case", _case_ids())
+def test_bad_input(error_results, case):
+    result, words = error_results[case]
+    assert_user_error(result, *words)
+
+
+def test_at_least_fifteen_distinct_bad_inputs():
+    assert len(_case_ids()) >= 15
+
+
+def test_config_file_unknown_key_message_is_clean(error_results):
+    """A locked-defaults typo in a config file should read like the override typo: the key and the fix,
+    not ml_collections' repr (a dump of every field and an escaped '\\n')."""
+    line = assert_user_error(error_results["config_sets_unknown_key"][0], "emb_dimm")
+    assert "emb_dim" in line.replace("emb_dimm", "")  # the suggestion
+    assert "\\n" not in line and "\\'" not in line, f"escaped repr in the message: {line}"
+    assert "Other fields present" not in line, f"the message dumps every field: {line}"
+
+
+def test_no_arguments(cli):
+    result = cli(["train.py"])
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    # the CLI contract: a user mistake is one 'error: ' line on stderr naming the fix
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (
+        f"no arguments: expected one 'error: ' line on stderr, got stderr={result.stderr!r} "
+        f"(stdout starts {result.stdout[:80]!r})")
+    assert "config" in lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# --help and config.json
+# --------------------------------------------------------------------------------------------
+
+def test_help_lists_every_key(cli):
+    result = cli(["train.py", "--help"])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ""
+    keys = [key for key, _, _ in defaults.docs()]
+    assert len(keys) == len(set(keys)) > 50
+    listed = {line.split(" = ")[0].strip() for line in result.stdout.splitlines() if " = " in line}
+    missing = [key for key in keys if key not in listed]
+    assert not missing, f"--help does not list: {missing}"
+    for _, _, meaning in defaults.docs():
+        assert meaning in result.stdout
+
+
+def test_help_short_flag(cli):
+    result = cli(["train.py", "-h"])
+    assert result.returncode == 0
+    assert "train.steps" in result.stdout
+
+
+def test_resolved_config_saved_and_reloadable(cli, tmp_path, two_text_files):
+    a, b = two_text_files
+    out = tmp_path / "run"
+    result = cli(["train.py", TINY, "run.dry_run=true", "--config.run.output_dir", str(out),
+                  "--config.train.steps=7", "train.warmup_steps=2", "model.num_layers=3", f"data.text_files={a},{b}",
+                  "train.learning_rate=1e-3"])
+    assert result.returncode == 0, result.stderr
+    with open(out / "config.json") as f:
+        saved = json.load(f)
+    assert saved["train"]["steps"] == 7
+    assert saved["train"]["warmup_steps"] == 2
+    assert saved["model"]["num_layers"] == 3
+    assert saved["train"]["learning_rate"] == pytest.approx(1e-3)
+    assert saved["data"]["text_files"] == [a, b]
+    assert saved["run"]["output_dir"] == str(out)
+    assert saved["run"]["dry_run"] is True
+    assert saved["model"]["emb_dim"] == 64  # from the :tiny preset
+    # the file holds every key and passes validation again as a ConfigDict
+    cfg = ml_collections.ConfigDict(saved)
+    validate(cfg)
+    from MaxOffload.config.loader import flat_keys
+    assert sorted(flat_keys(cfg)) == sorted(flat_keys(defaults.get_config()))
