@@ -19,13 +19,13 @@ BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed
 def param(rngs, shape, axes, dtype, std):
     """A normal-initialised parameter annotated with logical axes (sharding is applied later)."""
     value = std * jax.random.normal(rngs.params(), shape, dtype=jnp.float32)
-    return nnx.Param(value.astype(dtype), sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim, *, eps, param_dtype, rngs=None):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=("norm",), eager_sharding=False)
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)

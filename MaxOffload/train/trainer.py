@@ -11,7 +11,7 @@ from MaxOffload.config.loader import ConfigError, describe
 from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.train.flops import train_flops_per_step
 from MaxOffload.train.metrics import MetricsLogger
-from MaxOffload.train.step import TrainSetup
+from MaxOffload.train.step import HOST, TrainSetup
 
 
 def _say(text):
@@ -67,10 +67,13 @@ def run(cfg):
     global_batch = cfg.train.per_device_batch_size * len(devices)
     flops_per_step = train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)
     summary = {"params_total": setup.params_total(), "state_bytes_per_device": setup.state_bytes_per_device(),
+               "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
                "devices": len(devices), "device_kind": devices[0].device_kind, "global_batch": global_batch,
                "model_flops_per_step": flops_per_step}
     _say(f"model {cfg.model.family}: {_human(summary['params_total'])} parameters; params + optimizer state "
-         f"{_human(summary['state_bytes_per_device'], 'B')} per device on {len(devices)} x {devices[0].device_kind}; "
+         f"{_human(summary['state_bytes_per_device'], 'B')} per device "
+         f"({_human(summary['state_host_bytes_per_device'], 'B')} of it in pinned host memory) on "
+         f"{len(devices)} x {devices[0].device_kind}; "
          f"{_human(flops_per_step, 'FLOP')} per step")
     if cfg.run.dry_run:
         _write_json(os.path.join(out, "summary.json"), summary)
