@@ -1,0 +1,23 @@
+"""Llama 3.1 with activation host offloading: configs/llama3_1_offload.py:8b | :70b | :405b | :tiny | :small.
+
+Every layer offloads its q/k/v and MLP input projections to pinned host memory and keeps the
+attention output projection in HBM. The last two layers keep everything in HBM instead
+(`minimal`): the backward pass starts with them, so there is no forward compute left
+to hide their copies behind.
+"""
+import os
+
+from MaxOffload.config.defaults import add_layer_group
+from MaxOffload.config.loader import load_file
+
+
+def get_config(size="8b"):
+    cfg = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"llama3_1.py:{size}"))
+    cfg.run.output_dir = f"runs/llama3_1_{size}_offload"
+    cfg.remat.policy = "custom"
+    for name in ("query_proj", "key_proj", "value_proj", "mlpwi_0", "mlpwi_1"):
+        cfg.remat.tensors[name] = "offload"
+    cfg.remat.tensors.out_proj = "device"
+    last_two = f"{cfg.model.num_layers - 2}-"
+    add_layer_group(cfg, "last_two", layers=last_two, policy="minimal")
+    return cfg
