@@ -33,12 +33,11 @@ def main():
     import jax.numpy as jnp
 
     from MaxOffload import data as data_lib
-    from MaxOffload.parallel import mesh as mesh_lib
     from MaxOffload.train.flops import train_flops_per_step
     from MaxOffload.train.step import TrainSetup
 
     devices = jax.devices()
-    setup = TrainSetup(cfg, mesh_lib.make(devices))
+    setup = TrainSetup(cfg, devices)
     data = data_lib.build(cfg)
     global_batch = cfg.train.per_device_batch_size * len(devices)
     flops_per_step = train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)

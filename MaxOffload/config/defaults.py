@@ -6,6 +6,7 @@ differs. `python train.py --help` prints this table.
 import ml_collections
 
 from MaxOffload.offload.names import VOCABULARY
+from MaxOffload.parallel.logical import DEFAULT_RULES, MESH_AXES
 
 # section -> key -> (default, meaning). A default of None needs a type: (None, type, meaning).
 SCHEMA = {
@@ -61,6 +62,32 @@ SCHEMA = {
                     for name, doc in VOCABULARY.items()},
         # Per-layer-group overrides: remat.groups.NAME.{layers, policy, tensors.*}; see GROUP below.
         "groups": {},
+    },
+    "mesh": {
+        "ici": {axis: (-1 if axis == "fsdp" else 1, f"{axis} parallelism within a slice (an NVLink domain, e.g. one "
+                                                     "NVL72 rack); -1 = the devices left over")
+                for axis in MESH_AXES},
+        "dcn": {axis: (1, f"{axis} parallelism across slices (over the data-centre network); -1 = the slices left "
+                          "over") for axis in MESH_AXES},
+        "rules": {axis: (list(mesh_axes), f"mesh axes that shard the logical axis {axis!r}")
+                  for axis, mesh_axes in DEFAULT_RULES.items()},
+    },
+    "distributed": {
+        "coordinator_address": ("", "host:port of process 0; empty = auto (Slurm) or single process"),
+        "num_processes": (0, "number of processes; 0 = auto (Slurm's SLURM_NTASKS) or 1"),
+        "process_id": (-1, "this process's rank; -1 = auto (Slurm's SLURM_PROCID) or 0"),
+        "local_device_ids": ([], "GPUs this process drives; empty = one per process (SLURM_LOCALID) or, with one "
+                                 "task per node, all visible GPUs"),
+        "initialization_timeout_s": (300, "give up (with a message) if the processes have not met by then"),
+        "heartbeat_timeout_s": (100, "a peer silent this long is dead: the job ends with a message, no hang"),
+    },
+    "launch": {
+        "gpus_per_node": (4, "GPUs per node (GB200 NVL72 compute tray: 4); the launcher starts one task per GPU"),
+        "nodes_per_slice": (18, "nodes per NVLink domain (NVL72: 18 trays); sets each process's slice for mesh.dcn"),
+        "xla_flags": ([], "extra XLA_FLAGS for GPU jobs, e.g. [--xla_gpu_enable_latency_hiding_scheduler=true]"),
+        "mem_fraction": (0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION: share of HBM JAX preallocates"),
+        "host_memory_limit_gb": (180, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: pinned host pool per process (default "
+                                      "64 is too small for offload recipes)"),
     },
     "offload": {
         "params": (False, "keep parameters in pinned host memory; each layer's weights are copied to HBM inside "

@@ -195,7 +195,6 @@ def cpu_temp_bytes(cfg):
     On CPU an offloaded tensor is simply saved, so these show what saving costs in device
     memory — the HBM that offloading gives back — not the host side.
     """
-    from MaxOffload.parallel import mesh as mesh_lib
     from MaxOffload.train.step import TrainSetup
 
     from MaxOffload.offload.segments import with_policy
@@ -203,7 +202,7 @@ def cpu_temp_bytes(cfg):
     out = {}
     for label, variant in (("this config", cfg), ("full", with_policy(cfg, "full")),
                            ("save_all", with_policy(cfg, "save_all"))):
-        compiled = TrainSetup(variant, mesh_lib.make()).compile_train_step()
+        compiled = TrainSetup(variant).compile_train_step()
         out[label] = int(compiled.memory_analysis().temp_size_in_bytes)
     return out
 
@@ -242,7 +241,6 @@ def format_report(report):
 
 def main(argv):
     from MaxOffload.config import ConfigError, load
-    from MaxOffload.parallel import mesh as mesh_lib
     from MaxOffload.train.step import TrainSetup
 
     cpu_memory = "--no_cpu_memory" not in argv
@@ -251,7 +249,7 @@ def main(argv):
         cfg = load(argv)
         if not cfg.model.scan_layers:
             raise ConfigError("inspect reads the scanned layer segments; drop model.scan_layers=false")
-        setup = TrainSetup(cfg, mesh_lib.make())
+        setup = TrainSetup(cfg)
         os.makedirs(cfg.run.output_dir, exist_ok=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

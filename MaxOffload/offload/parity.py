@@ -25,10 +25,9 @@ def _loss_and_grads(cfg, params, batch):
     import jax
 
     from MaxOffload.parallel import logical
-    from MaxOffload.parallel import mesh as mesh_lib
     from MaxOffload.train.step import TrainSetup
 
-    setup = TrainSetup(cfg, mesh_lib.make())
+    setup = TrainSetup(cfg)
     with logical.activate(setup.mesh, setup.rules):
         fn = jax.jit(jax.value_and_grad(setup.loss), in_shardings=(setup.state_shardings["params"],
                                                                    setup.batch_shardings()))
@@ -43,11 +42,10 @@ def compare(cfg, presets=()):
 
     from MaxOffload import data as data_lib
     from MaxOffload.offload.segments import with_policy
-    from MaxOffload.parallel import mesh as mesh_lib
     from MaxOffload.train.step import TrainSetup
 
     reference_cfg = with_policy(cfg, "full")
-    setup = TrainSetup(reference_cfg, mesh_lib.make())
+    setup = TrainSetup(reference_cfg)
     params = setup.init_state()["params"]
     batch = setup.put_batch(data_lib.build(cfg, jax.process_index(), jax.process_count()).train_batch(0))
     ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch)

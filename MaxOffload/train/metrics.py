@@ -17,13 +17,17 @@ def _duration(seconds):
 class MetricsLogger:
     """Every step to metrics.jsonl (one JSON object per line) and TensorBoard; a console line every N."""
 
-    def __init__(self, output_dir, total_steps, log_every, stream=sys.stdout):
-        self.total_steps, self.log_every, self.stream = total_steps, log_every, stream
-        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "w")
-        self.tensorboard = EventFileWriter(os.path.join(output_dir, "tensorboard"))
+    def __init__(self, output_dir, total_steps, log_every, stream=sys.stdout, enabled=True):
+        """enabled=False (processes other than 0 of a multi-process job): writes nothing."""
+        self.total_steps, self.log_every, self.enabled = total_steps, log_every, enabled
+        self.stream = stream if enabled else open(os.devnull, "w")
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull, "w")
+        self.tensorboard = EventFileWriter(os.path.join(output_dir, "tensorboard")) if enabled else None
         self.started = time.perf_counter()
 
     def _scalars(self, step, values, prefix=""):
+        if self.tensorboard is None:
+            return
         summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=prefix + k, simple_value=float(v))
                                              for k, v in values.items() if v is not None])
         self.tensorboard.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
@@ -57,4 +61,5 @@ class MetricsLogger:
 
     def close(self):
         self.jsonl.close()
-        self.tensorboard.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -9,7 +9,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models
 from MaxOffload.models.llama import to_device
+from MaxOffload.config.loader import ConfigError
 from MaxOffload.parallel import logical
+from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.train import optimizer
 
 BATCH_AXES = ("activation_batch", "activation_length")
@@ -22,6 +24,23 @@ def masked_cross_entropy(logits, targets, mask):
     return jnp.sum(losses * mask), jnp.sum(mask)
 
 
+def _mesh_axes(entry):
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def check_divisible(abstract_params, shardings, mesh):
+    """ConfigError naming the first parameter dimension that its mesh axes do not divide."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_params))[0]
+    for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
+        for dim, entry in zip(leaf.shape, sharding.spec):
+            ways = math.prod(mesh.shape[a] for a in _mesh_axes(entry))
+            if dim % ways:
+                name = "/".join(str(getattr(k, "key", k)) for k in path)
+                raise ConfigError(f"parameter {name} {tuple(leaf.shape)}: dimension {dim} cannot be split {ways} ways "
+                                  f"over mesh axes {entry} ({mesh_lib.describe(mesh)}); change mesh.ici/mesh.dcn "
+                                  "or mesh.rules")
+
+
 class TrainSetup:
     """What a run needs to create, shard and step its state; built once from the config.
 
@@ -29,7 +48,10 @@ class TrainSetup:
     sharding see ordinary dicts; `graphdef` turns params back into the NNX model.
     """
 
-    def __init__(self, cfg, mesh, rules=logical.DEFAULT_RULES):
+    def __init__(self, cfg, devices=None):
+        """Raises ConfigError when the mesh does not fit the devices or the model's dimensions."""
+        mesh = mesh_lib.make(cfg.mesh, devices)
+        rules = {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()}
         self.cfg, self.mesh, self.rules = cfg, mesh, rules
         self.tx = optimizer.build(cfg.train)
         self.schedule = optimizer.schedule(cfg.train)
@@ -39,6 +61,7 @@ class TrainSetup:
         logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
         param_shardings = jax.tree.map(lambda spec: logical.named_sharding(mesh, tuple(spec), rules), logical_specs,
                                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+        check_divisible(abstract_params, param_shardings, mesh)
         self.abstract_state = jax.eval_shape(self._init)
         replicated = NamedSharding(mesh, PartitionSpec())
         params_kind = HOST if cfg.offload.params else DEVICE
@@ -51,6 +74,10 @@ class TrainSetup:
                                                transform_non_params=lambda _: replicated),
         }
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
+        context = math.prod(mesh.shape[a] for a in _mesh_axes(self.batch_sharding.spec[1]))
+        if cfg.train.seq_len % context:
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by the {context}-way sharding of "
+                              f"activation_length ({mesh_lib.describe(mesh)})")
 
     def _init(self):
         params = nnx.to_pure_dict(nnx.state(models.build(self.cfg)))

@@ -8,14 +8,19 @@ import jax
 from MaxOffload import data as data_lib
 from MaxOffload import hardware
 from MaxOffload.config.loader import ConfigError, describe
-from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.train.flops import train_flops_per_step
 from MaxOffload.train.metrics import MetricsLogger
+from MaxOffload.parallel import distributed
+from MaxOffload.parallel.mesh import describe as mesh_describe
 from MaxOffload.train.step import HOST, TrainSetup
 
 
+_LEAD = [True]  # whether this process reports (process 0 of a multi-process job)
+
+
 def _say(text):
-    print(text, flush=True)
+    if _LEAD[0]:
+        print(text, flush=True)
 
 
 def _human(n, unit=""):
@@ -60,10 +65,15 @@ def verify_parity(cfg):
 
 def run(cfg):
     out = cfg.run.output_dir
+    process_index, process_count = distributed.initialize(cfg)
+    _LEAD[0] = process_index == 0
     _say("MaxOffload config:\n" + describe(cfg))
-    prepare_output_dir(cfg)
+    if process_count > 1:
+        _say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
+    if _LEAD[0]:
+        prepare_output_dir(cfg)
     devices = jax.devices()
-    setup = TrainSetup(cfg, mesh_lib.make(devices))
+    setup = TrainSetup(cfg, devices)
     global_batch = cfg.train.per_device_batch_size * len(devices)
     flops_per_step = train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)
     summary = {"params_total": setup.params_total(), "state_bytes_per_device": setup.state_bytes_per_device(),
@@ -73,16 +83,17 @@ def run(cfg):
     _say(f"model {cfg.model.family}: {_human(summary['params_total'])} parameters; params + optimizer state "
          f"{_human(summary['state_bytes_per_device'], 'B')} per device "
          f"({_human(summary['state_host_bytes_per_device'], 'B')} of it in pinned host memory) on "
-         f"{len(devices)} x {devices[0].device_kind}; "
+         f"{len(devices)} x {devices[0].device_kind} (mesh {mesh_describe(setup.mesh)}); "
          f"{_human(flops_per_step, 'FLOP')} per step")
     if cfg.run.dry_run:
-        _write_json(os.path.join(out, "summary.json"), summary)
+        if _LEAD[0]:
+            _write_json(os.path.join(out, "summary.json"), summary)
         _say(f"dry run: nothing allocated or compiled; wrote {os.path.join(out, 'summary.json')}")
         return 0
 
     if cfg.offload.verify_parity:
         verify_parity(cfg)
-    data = data_lib.build(cfg, jax.process_index(), jax.process_count())
+    data = data_lib.build(cfg, process_index, process_count)
     _say(f"data: {data.description}")
     state = setup.init_state()
     _say("compiling the training step ...")
@@ -94,7 +105,7 @@ def run(cfg):
          f"{cfg.train.seq_len} tokens")
     eval_batches = [setup.put_batch(b) for b in data.eval_batches(cfg.train.eval_batches)]
     peak = peak_flops_per_device(cfg)
-    logger = MetricsLogger(out, cfg.train.steps, cfg.run.log_every)
+    logger = MetricsLogger(out, cfg.train.steps, cfg.run.log_every, enabled=_LEAD[0])
     tokens_per_device = global_batch * cfg.train.seq_len / len(devices)
 
     def evaluate(step):
@@ -145,7 +156,8 @@ def run(cfg):
                    mean_step_time_s=mean("step_time_s"), tokens_per_sec_per_device=mean("tokens_per_sec_per_device"),
                    tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
                    mfu=mean("mfu") if peak else None)
-    _write_json(os.path.join(out, "summary.json"), summary)
+    if _LEAD[0]:
+        _write_json(os.path.join(out, "summary.json"), summary)
     mfu = f"{summary['mfu'] * 100:.1f}%" if peak else "n/a (unknown device peak; set hardware.peak_tflops_per_device)"
     _say(f"done: {cfg.train.steps} steps in {summary['train_time_s']:.1f} s (+ {summary['compile_time_s']:.1f} s "
          f"compile) | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | eval loss {eval_loss:.3f} | "

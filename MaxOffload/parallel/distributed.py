@@ -1,0 +1,67 @@
+"""Multi-process start-up: single process by default, Slurm auto-detected, or explicit settings.
+
+Call `initialize(cfg)` before anything else touches JAX's backend. One process per GPU is the
+norm (srun --ntasks-per-node=4 on a GB200 tray); with one task per node the process drives every
+GPU it sees (JAX's own Slurm detection would use GPU 0 only).
+"""
+import os
+
+from MaxOffload.config.loader import ConfigError
+
+
+def _slurm():
+    needed = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    return all(k in os.environ for k in needed) and int(os.environ["SLURM_NTASKS"]) > 1
+
+
+def _tasks_on_this_node():
+    counts = os.environ.get("SLURM_TASKS_PER_NODE", "")  # e.g. "4(x2)" or "1,1"
+    node = int(os.environ.get("SLURM_NODEID", "0"))
+    per_node = []
+    for part in counts.split(","):
+        if not part:
+            continue
+        count, _, repeat = part.partition("(x")
+        per_node += [int(count)] * int(repeat.rstrip(")") or 1)
+    return per_node[node] if node < len(per_node) else None
+
+
+def plan(cfg):
+    """The jax.distributed.initialize arguments for this process, or None for a single process."""
+    d = cfg.distributed
+    explicit = bool(d.coordinator_address) or d.num_processes > 1
+    if not explicit and not _slurm():
+        return None
+    args = {"initialization_timeout": d.initialization_timeout_s, "heartbeat_timeout_seconds": d.heartbeat_timeout_s}
+    if explicit:
+        if not d.coordinator_address or d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
+            raise ConfigError("distributed: give coordinator_address=host:port, num_processes >= 1 and "
+                              f"0 <= process_id < num_processes (got {d.coordinator_address!r}, {d.num_processes}, "
+                              f"{d.process_id})")
+        args.update(coordinator_address=d.coordinator_address, num_processes=d.num_processes,
+                    process_id=d.process_id)
+    else:
+        args["cluster_detection_method"] = "slurm"
+    if d.local_device_ids:
+        args["local_device_ids"] = list(d.local_device_ids)
+    elif not explicit and _tasks_on_this_node() == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        args["local_device_ids"] = list(range(len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))))
+    return args
+
+
+def initialize(cfg):
+    """Joins the multi-process job if there is one; returns (process_index, process_count)."""
+    import jax
+
+    args = plan(cfg)
+    if args is None:
+        return 0, 1
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(**args)
+    except Exception as e:  # a runtime failure, reported in one line
+        raise ConfigError(f"distributed start-up failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}); check "
+                          f"that all processes started and reach the coordinator within "
+                          f"{cfg.distributed.initialization_timeout_s} s") from None
+    return jax.process_index(), jax.process_count()
