@@ -118,6 +118,15 @@ def validate(cfg):
         _positive(cfg, "model.rope_original_max_len")
 
     _validate_remat(cfg)
+    from MaxOffload.parallel.logical import MESH_AXES
+
+    for axis, mesh_axes in cfg.mesh.rules.items():
+        for mesh_axis in mesh_axes:
+            _require(mesh_axis in MESH_AXES, f"mesh.rules.{axis}: {mesh_axis!r} is not a mesh axis "
+                                             f"({', '.join(MESH_AXES)}){suggest(str(mesh_axis), MESH_AXES)}")
+    for kind in ("ici", "dcn"):
+        for axis, size in cfg.mesh[kind].items():
+            _require(size == -1 or size >= 1, f"mesh.{kind}.{axis}={size}: give a size >= 1, or -1 for the rest")
 
     _choice("data.source", data.source, ("text", "synthetic"))
     for path in data.text_files:
