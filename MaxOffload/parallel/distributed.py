@@ -26,6 +26,12 @@ def _tasks_on_this_node():
     return per_node[node] if node < len(per_node) else None
 
 
+def _visible_gpus():
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+    return int(os.environ.get("SLURM_GPUS_ON_NODE", "0") or 0)
+
+
 def plan(cfg):
     """The jax.distributed.initialize arguments for this process, or None for a single process."""
     d = cfg.distributed
@@ -44,8 +50,8 @@ def plan(cfg):
         args["cluster_detection_method"] = "slurm"
     if d.local_device_ids:
         args["local_device_ids"] = list(d.local_device_ids)
-    elif not explicit and _tasks_on_this_node() == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
-        args["local_device_ids"] = list(range(len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))))
+    elif not explicit and _tasks_on_this_node() == 1 and _visible_gpus():
+        args["local_device_ids"] = list(range(_visible_gpus()))
     return args
 
 
