@@ -21,17 +21,19 @@ class ParityError(Exception):
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
-def _loss_and_grads(cfg, params, batch):
+def _loss_and_grads(cfg, params, batch, model_state=None):
     import jax
 
     from MaxOffload.parallel import logical
     from MaxOffload.train.step import TrainSetup
 
     setup = TrainSetup(cfg)
+    model_state = {} if model_state is None else model_state
     with logical.activate(setup.mesh, setup.rules):
-        fn = jax.jit(jax.value_and_grad(setup.loss), in_shardings=(setup.state_shardings["params"],
-                                                                   setup.batch_shardings()))
-        return fn(params, batch)
+        fn = jax.jit(lambda p, m, b: jax.value_and_grad(lambda q: setup.loss(q, m, b)[0])(p),
+                     in_shardings=(setup.state_shardings["params"], setup.state_shardings["model_state"],
+                                   setup.batch_shardings()))
+        return fn(params, model_state, batch)
 
 
 def compare(cfg, presets=()):
@@ -46,15 +48,16 @@ def compare(cfg, presets=()):
 
     reference_cfg = with_policy(cfg, "full")
     setup = TrainSetup(reference_cfg)
-    params = setup.init_state()["params"]
+    state = setup.init_state()
+    params, model_state = state["params"], state["model_state"]
     batch = setup.put_batch(data_lib.build(cfg, jax.process_index(), jax.process_count()).train_batch(0))
-    ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch)
+    ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch, model_state)
     ref_norm = float(optax.global_norm(ref_grads))
     tolerance = TOLERANCE[cfg.model.compute_dtype]
     rows = []
     variants = [("this config", cfg)] + [(preset, with_policy(cfg, preset)) for preset in presets]
     for label, variant in variants:
-        loss, grads = _loss_and_grads(variant, params, batch)
+        loss, grads = _loss_and_grads(variant, params, batch, model_state)
         loss_diff = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
         diff = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), grads, ref_grads)
         grad_diff = float(optax.global_norm(diff)) / max(ref_norm, 1e-12)

@@ -57,7 +57,9 @@ class TrainSetup:
         self.schedule = optimizer.schedule(cfg.train)
         self.model_config = models.model_config(cfg)
         abstract_model = nnx.eval_shape(lambda: models.build(cfg))
-        self.graphdef, abstract_params = nnx.split(abstract_model)
+        # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
+        # state that the model itself updates, returned in aux["model_state"].
+        self.graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
         logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
         param_shardings = jax.tree.map(lambda spec: logical.named_sharding(mesh, tuple(spec), rules), logical_specs,
                                        is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -72,6 +74,7 @@ class TrainSetup:
             "opt_state": optax.tree_map_params(self.tx, lambda _, sharding: sharding.with_memory_kind(opt_kind),
                                                self.abstract_state["opt_state"], param_shardings,
                                                transform_non_params=lambda _: replicated),
+            "model_state": jax.tree.map(lambda _: replicated, self.abstract_state["model_state"]),
         }
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
         context = math.prod(mesh.shape[a] for a in _mesh_axes(self.batch_sharding.spec[1]))
@@ -80,21 +83,31 @@ class TrainSetup:
                               f"activation_length ({mesh_lib.describe(mesh)})")
 
     def _init(self):
-        params = nnx.to_pure_dict(nnx.state(models.build(self.cfg)))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        _, params, model_state = nnx.split(models.build(self.cfg), nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
+                "model_state": nnx.to_pure_dict(model_state)}
 
     def init_state(self):
         """Freshly initialised state, created directly in its sharding (never whole on one device)."""
         with logical.activate(self.mesh, self.rules):
             return jax.jit(self._init, out_shardings=self.state_shardings)()
 
-    def loss(self, params, batch):
-        logits = nnx.merge(self.graphdef, params)(batch["inputs"])
+    def forward(self, params, model_state, inputs):
+        """(logits, aux). A model returns logits, or (logits, aux) with optional aux entries:
+        "aux_loss" (added to the objective), "metrics" ({name: scalar}, logged) and
+        "model_state" (the new values of its non-Param variables, applied after the step)."""
+        out = nnx.merge(self.graphdef, params, model_state)(inputs)
+        return out if isinstance(out, tuple) else (out, {})
+
+    def loss(self, params, model_state, batch):
+        """(objective, aux): mean next-token cross-entropy (+ the model's aux_loss)."""
+        logits, aux = self.forward(params, model_state, batch["inputs"])
         total, count = masked_cross_entropy(logits, batch["targets"], batch["mask"])
-        return total / jnp.maximum(count, 1.0)
+        return total / jnp.maximum(count, 1.0) + aux.get("aux_loss", 0.0), aux
 
     def train_step(self, state, batch):
-        loss, grads = jax.value_and_grad(self.loss)(state["params"], batch)
+        (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state["params"], state["model_state"], batch)
         # Host-resident state visits HBM for the elementwise update only; the out_shardings
         # send the results back to pinned host memory.
         offload = self.cfg.offload
@@ -103,12 +116,13 @@ class TrainSetup:
         opt_state = to_device(state["opt_state"], offload.optimizer_state)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state}
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self.schedule(state["step"])}
+                     "opt_state": opt_state, "model_state": aux.get("model_state", state["model_state"])}
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self.schedule(state["step"]),
+                   **aux.get("metrics", {})}
         return new_state, metrics
 
-    def eval_step(self, params, batch):
-        logits = nnx.merge(self.graphdef, params)(batch["inputs"])
+    def eval_step(self, params, model_state, batch):
+        logits, _ = self.forward(params, model_state, batch["inputs"])
         return masked_cross_entropy(logits, batch["targets"], batch["mask"])
 
     def abstract_batch(self):
@@ -136,9 +150,11 @@ class TrainSetup:
         return self.lower_train_step().compile()
 
     def compile_eval_step(self):
-        jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"], self.batch_shardings()))
+        jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"],
+                                                       self.state_shardings["model_state"], self.batch_shardings()))
         with logical.activate(self.mesh, self.rules):
-            return jitted.lower(self.abstract_state["params"], self.abstract_batch()).compile()
+            return jitted.lower(self.abstract_state["params"], self.abstract_state["model_state"],
+                                self.abstract_batch()).compile()
 
     def put_batch(self, batch):
         """This process's rows of a global batch -> global arrays sharded over the batch axes."""

@@ -111,7 +111,7 @@ def run(cfg):
     def evaluate(step):
         total = count = 0.0
         for batch in eval_batches:
-            batch_total, batch_count = eval_step(state["params"], batch)
+            batch_total, batch_count = eval_step(state["params"], state["model_state"], batch)
             total, count = total + float(batch_total), count + float(batch_count)
         result = {"loss": total / max(count, 1.0)}
         logger.log_eval(step, result)
