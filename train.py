@@ -23,6 +23,7 @@ def main(argv):
         return 0
     from MaxOffload.config import ConfigError, load
     from MaxOffload.offload.parity import ParityError
+    from MaxOffload.train.errors import NonFiniteError
 
     try:
         cfg = load(argv)
@@ -32,7 +33,7 @@ def main(argv):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ParityError as e:
+    except (ParityError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

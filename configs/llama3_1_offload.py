@@ -18,6 +18,5 @@ def get_config(size="8b"):
     for name in ("query_proj", "key_proj", "value_proj", "mlpwi_0", "mlpwi_1"):
         cfg.remat.tensors[name] = "offload"
     cfg.remat.tensors.out_proj = "device"
-    last_two = f"{cfg.model.num_layers - 2}-"
-    add_layer_group(cfg, "last_two", layers=last_two, policy="minimal")
+    add_layer_group(cfg, "last_two", layers="-2-", policy="minimal")  # counted from the end: any depth
     return cfg

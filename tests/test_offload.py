@@ -122,6 +122,7 @@ def _cli_jobs(tmp):
                           "train.warmup_steps=0", "train.eval_every=0", "train.eval_batches=1", "run.log_every=1",
                           "offload.verify_parity=true"],
     }
+    jobs["two_devices"] = ["-c", TWO_DEVICES_SCRIPT, tmp]
     for key, (entry, overrides, _) in BAD_INPUTS.items():
         if entry == "train":
             jobs[key] = ["train.py", *base, *overrides]
@@ -130,6 +131,28 @@ def _cli_jobs(tmp):
                          f"run.output_dir={tmp}/bad", *overrides]
     return jobs
 
+
+# On 2 simulated CPU devices: the inspect report (CUDA lowering included) for q + mlpwi_0 offloaded,
+# once data-parallel (fsdp=2: the batch is split) and once tensor-parallel (tensor=2: heads and the MLP
+# dimension are split), and how many times the compiled (XLA:CPU, partitioned) tensor-parallel step
+# mentions the per-device shapes of the stacked (2 layers) mlpwi_0 residual.
+TWO_DEVICES_SCRIPT = """
+import json, sys
+from MaxOffload.config import load
+from MaxOffload.offload import inspect
+from MaxOffload.train.step import TrainSetup
+base = %r
+out = {}
+for label, mesh in (("dp", ["mesh.ici.fsdp=2"]), ("tp", ["mesh.ici.fsdp=1", "mesh.ici.tensor=2"])):
+    cfg = load(base + ["run.output_dir=" + sys.argv[1] + "/" + label] + mesh)
+    setup = TrainSetup(cfg)
+    report = inspect.build_report(cfg, setup, cpu_memory=False)
+    out[label] = {"report": report, "devices": setup.mesh.size}
+    if label == "tp":
+        hlo = setup.compile_train_step().as_text()
+        out[label]["hlo"] = {s: hlo.count(s) for s in ("f32[2,4,32,88]", "f32[2,4,32,176]")}
+print("RESULT " + json.dumps(out))
+""" % (TINY + ["remat.policy=custom", "remat.tensors.query_proj=offload", "remat.tensors.mlpwi_0=offload"])
 
 # key -> (entry point, overrides, what the one-line error must say)
 BAD_INPUTS = {
@@ -164,13 +187,16 @@ def background(request, tmp_path_factory):
     from conftest import run_cli
 
     tmp = str(tmp_path_factory.mktemp("offload_cli"))
-    selected = " ".join(item.nodeid for item in request.session.items if item.fspath == request.fspath)
+    selected = " ".join(item.nodeid for item in request.session.items if item.nodeid.startswith(request.node.nodeid))
     needs = {"inspect_ok": "test_inspect_cli", "parity_ok": "test_parity_cli",
-             "verify_parity": "test_train_verify_parity", **{k: "test_bad_input" for k in BAD_INPUTS}}
+             "verify_parity": "test_train_verify_parity",
+             "two_devices": "test_bytes_per_device_on_two_devices", **{k: "test_bad_input" for k in BAD_INPUTS}}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    order = ["verify_parity", "parity_ok", "inspect_ok", *BAD_INPUTS]
+    order = ["verify_parity", "two_devices", "parity_ok", "inspect_ok", *BAD_INPUTS]
     jobs = _cli_jobs(tmp)
-    futures = {key: pool.submit(run_cli, jobs[key], timeout=500) for key in order if needs[key] in selected}
+    env = {"two_devices": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
+    futures = {key: pool.submit(run_cli, jobs[key], env=env.get(key), timeout=500)
+               for key in order if needs[key] in selected}
     yield {"tmp": tmp, "futures": futures}
     for future in futures.values():
         future.cancel()
@@ -297,6 +323,30 @@ def test_group_report(group_cfg):
     assert report["groups"]["layers_0_1"]["tensors"][WI0]["requested"] == "remat"
     assert report["cuda_pinned_host_placements"] == 3
     assert report["problems"] == []
+
+
+# The shipped recipe configs/llama3_1_offload.py: q/k/v and the MLP inputs offloaded, out_proj in
+# HBM, and the last two layers on `minimal`.
+OFFLOAD_RECIPE = os.path.join(ROOT, "configs", "llama3_1_offload.py")
+
+
+def test_offload_recipe_small(tmp_path):
+    cfg = load([f"{OFFLOAD_RECIPE}:small", f"train.seq_len={SEQ}", f"train.per_device_batch_size={PER_DEVICE_BATCH}",
+                "model.compute_dtype=float32", f"run.output_dir={tmp_path}"])  # small: 4 layers
+    report = inspect_lib.build_report(cfg, TrainSetup(cfg), cpu_memory=False)
+    assert list(report["groups"]) == ["layers_0_1", "layers_2_3"]
+    body, last_two = report["groups"]["layers_0_1"], report["groups"]["layers_2_3"]
+    assert set(body["offloaded"]) == {Q, K, V, WI0, WI1} and set(body["saved"]) == {DLI, OUT}
+    assert last_two["remat_group"] == "last_two"
+    assert last_two["offloaded"] == [] and set(last_two["saved"]) == {DLI, Q, K, V, OUT, WI0, WI1}
+    assert report["cuda_pinned_host_placements"] == 5 and report["problems"] == []
+
+
+def test_offload_recipe_keeps_the_last_two_layers_after_a_depth_override(tmp_path):
+    """The recipe promises that the last two layers keep everything in HBM. With the depth changed
+    on the command line (model.num_layers=8 on :small), those are layers 6-7 and layers 0-5 offload."""
+    cfg = load([f"{OFFLOAD_RECIPE}:small", "model.num_layers=8", f"run.output_dir={tmp_path}"])
+    assert [(s.start, s.stop, s.group) for s in models.remat_segments(cfg)] == [(0, 6, ""), (6, 8, "last_two")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +478,7 @@ def test_parity_gate_can_fail(tmp_path, monkeypatch):
     tolerance (1e-5 for float32), and ok when within it."""
     base_grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.zeros(2)}  # |g_ref| = 5
 
-    def fake(variant, params, batch):
+    def fake(variant, params, batch, *_):
         loss, grads = 2.0, dict(base_grads)
         preset = variant.remat.policy
         if preset == "minimal":
@@ -561,7 +611,7 @@ def test_save_everything_only_for_plain_save_all():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("1-0", "out of range"), ("0-16", "out of range"), ("16", "out of range"), ("16-", "out of range"),
+    ("1-0", "reversed"), ("0-16", "out of range"), ("16", "out of range"), ("16-", "out of range"),
     ("x-y", "neither a layer range"), ("", "give a layer range"), ("decodr", "did you mean decoder?"),
     ("1-2-3", "neither a layer range"),
 ])
@@ -581,6 +631,11 @@ def test_with_policy_clears_tensors_and_groups(group_cfg):
     assert all(v == "" for v in variant.remat.tensors.values()) and len(variant.remat.groups) == 0
     assert [(s.start, s.stop) for s in models.remat_segments(variant)] == [(0, 4)]
     assert group_cfg.remat.tensors.mlpwi_0 == "offload" and len(group_cfg.remat.groups) == 2  # untouched
+
+
+def test_layer_group_rejects_unknown_tensor_names():
+    with pytest.raises(ValueError, match="qkv_projj"):
+        defaults.layer_group("0-1", qkv_projj="offload")
 
 
 def test_unknown_preset_in_decisions():
@@ -641,3 +696,39 @@ def test_train_verify_parity(background):
     assert out.index("reference (full remat)") < out.index("compiling the training step")
     summary = json.load(open(os.path.join(background["tmp"], "verify", "summary.json")))
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
+
+
+@pytest.fixture(scope="module")
+def two_devices(background):
+    result = cli_result(background, "two_devices")
+    assert result.returncode == 0, result.stdout + result.stderr
+    line, = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_bytes_per_device_on_two_devices_data_parallel(two_devices):
+    """fsdp=2 splits the batch of 2 x 2 sequences: per device 2 sequences, as on one device."""
+    out = two_devices["dp"]
+    assert out["devices"] == 2
+    report = out["report"]
+    group = report["groups"]["layers_0_1"]
+    assert group["offloaded"] == [Q, WI0] and report["problems"] == []
+    assert report["cuda_pinned_host_placements"] == 2
+    assert group["tensors"][WI0]["shape"] == [4, SEQ, 176]  # global shape
+    assert group["offload_bytes_per_device"] == bytes_per_device(Q, 2) + bytes_per_device(WI0, 2) == 32768 + 90112
+
+
+def test_bytes_per_device_on_two_devices_tensor_parallel(two_devices):
+    """tensor=2 leaves the batch of 4 whole on each device but splits query_proj's 4 heads
+    (activation_heads -> tensor) and mlpwi_0's 176 MLP columns (activation_mlp -> tensor). The
+    compiled step confirms it: the stacked mlpwi_0 residual is f32[2,4,32,88] per device, never
+    f32[2,4,32,176]. So per device: q 4*32*(2*16)*4*2 = 32768, mlpwi_0 4*32*88*4*2 = 90112 bytes."""
+    out = two_devices["tp"]
+    assert out["devices"] == 2
+    assert out["hlo"]["f32[2,4,32,88]"] > 0 and out["hlo"]["f32[2,4,32,176]"] == 0
+    report = out["report"]
+    group = report["groups"]["layers_0_1"]
+    assert group["offloaded"] == [Q, WI0] and report["problems"] == []
+    assert group["tensors"][WI0]["bytes_per_device_per_step"] == 4 * 32 * 88 * 4 * 2 == 90112
+    assert group["tensors"][Q]["bytes_per_device_per_step"] == 4 * 32 * 2 * 16 * 4 * 2 == 32768
+    assert group["offload_bytes_per_device"] == 90112 + 32768

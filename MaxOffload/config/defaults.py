@@ -31,23 +31,63 @@ SCHEMA = {
         "grad_clip_norm": (1.0, "clip gradients to this global norm (0 disables clipping)"),
         "eval_every": (50, "evaluate on the held-out split every N steps (0 disables; always at the end)"),
         "eval_batches": (4, "batches per evaluation"),
+        "on_nonfinite": ("stop", "non-finite loss or gradients (the update is never applied): stop = save the last "
+                                 "good state and exit 1 | skip = drop that update, count it and go on"),
+        "loss_spike_factor": (3.0, "warn when a step's loss exceeds this multiple of its recent average "
+                                   "(0 disables)"),
+    },
+    "checkpoint": {
+        "every_steps": (0, "save asynchronously every N steps (0 = only at the end and on preemption)"),
+        "keep": (3, "keep the newest K checkpoints"),
+        "resume": (True, "resume from the newest complete checkpoint in <run.output_dir>/checkpoints"),
+        "fallback_to_previous": (False, "if the newest checkpoint is unreadable, resume from the one before it"),
+        "load_params_from": ("", "initialise the parameters from another run's checkpoint (run dir, its "
+                                 "checkpoints/ or one step dir); ignored when resuming"),
     },
     "model": {
-        "family": ("llama", "model family: llama"),
+        "family": ("llama", "model family: llama | deepseek"),
         "vocab_size": (512, "vocabulary size (embedding rows); must cover the tokenizer"),
         "emb_dim": (256, "model width d_model"),
         "num_layers": (4, "number of decoder layers"),
         "num_heads": (8, "query heads"),
-        "num_kv_heads": (4, "key/value heads (grouped-query attention); divides num_heads"),
-        "head_dim": (32, "dimension per attention head"),
-        "mlp_dim": (704, "hidden size of the SwiGLU MLP"),
+        "num_kv_heads": (4, "llama: key/value heads (grouped-query attention); divides num_heads"),
+        "head_dim": (32, "llama: dimension per attention head"),
+        "mlp_dim": (704, "hidden size of the SwiGLU MLP (deepseek: of the dense layers)"),
         "norm_eps": (1e-5, "RMSNorm epsilon"),
         "rope_theta": (10000.0, "RoPE base frequency"),
-        "rope_scaling": ("none", "RoPE frequency scaling: none | llama3 (Llama 3.1)"),
-        "rope_factor": (8.0, "llama3 scaling: factor for low frequencies"),
+        "rope_scaling": ("none", "RoPE frequency scaling: none | llama3 (Llama 3.1) | yarn (DeepSeek-V3)"),
+        "rope_factor": (8.0, "llama3 scaling: factor for low frequencies; yarn: context extension factor"),
         "rope_low_freq_factor": (1.0, "llama3 scaling: low_freq_factor"),
         "rope_high_freq_factor": (4.0, "llama3 scaling: high_freq_factor"),
-        "rope_original_max_len": (8192, "llama3 scaling: original context length"),
+        "rope_original_max_len": (8192, "llama3 / yarn scaling: original context length"),
+        "rope_beta_fast": (32.0, "yarn: frequencies turning more often than this within the original context "
+                                 "are kept"),
+        "rope_beta_slow": (1.0, "yarn: frequencies turning less often than this are divided by rope_factor"),
+        "rope_mscale": (1.0, "yarn: mscale (the rotated parts are scaled by mscale(factor, rope_mscale) / "
+                             "mscale(factor, rope_mscale_all_dim))"),
+        "rope_mscale_all_dim": (1.0, "yarn: the softmax scale is multiplied by (0.1 * rope_mscale_all_dim * "
+                                     "ln(rope_factor) + 1)^2"),
+        # DeepSeek: Multi-head Latent Attention
+        "q_lora_rank": (64, "deepseek MLA: rank of the query down-projection (the q latent)"),
+        "kv_lora_rank": (32, "deepseek MLA: rank of the key/value down-projection (the kv latent)"),
+        "qk_nope_head_dim": (32, "deepseek MLA: per-head query/key dimension without RoPE"),
+        "qk_rope_head_dim": (16, "deepseek MLA: per-head query/key dimension with RoPE (the key part is shared "
+                                 "by all heads)"),
+        "v_head_dim": (32, "deepseek MLA: per-head value dimension"),
+        # DeepSeek: MoE
+        "first_k_dense": (1, "deepseek: the first k layers are dense (SwiGLU of mlp_dim), the rest MoE"),
+        "num_experts": (8, "deepseek: routed experts per MoE layer"),
+        "num_experts_per_tok": (2, "deepseek: routed experts each token is sent to (top-k)"),
+        "num_shared_experts": (1, "deepseek: shared experts every token passes through"),
+        "moe_mlp_dim": (128, "deepseek: hidden size of each routed and shared expert"),
+        "n_groups": (1, "deepseek: expert groups for group-limited routing (1 = no grouping)"),
+        "topk_groups": (1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores"),
+        "routed_scaling_factor": (1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by this"),
+        "router_bias_update_rate": (0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each step "
+                                           "bias += gamma * sign(mean load - load)"),
+        "seq_balance_loss_weight": (0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)"),
+        "capacity_factor": (0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * seq_len "
+                                 "* top_k / num_experts) tokens per sequence, later ones are dropped"),
         "tie_embeddings": (False, "share the token embedding with the output projection"),
         "param_dtype": ("float32", "parameter (and optimizer state) dtype: float32 | bfloat16"),
         "compute_dtype": ("bfloat16", "matmul/activation dtype: float32 | bfloat16"),
@@ -98,9 +138,14 @@ SCHEMA = {
                                  "(python -m MaxOffload.offload.parity); stop if not"),
     },
     "data": {
-        "source": ("text", "text (byte-level tokens of data.text_files) | synthetic (seeded random tokens)"),
+        "source": ("text", "text (byte-level tokens of data.text_files) | tokens (a directory prepared by "
+                           "python -m MaxOffload.data.prepare, see data.path) | synthetic (seeded random tokens)"),
         "text_files": ([], "UTF-8 text files to train on; empty = Python's own bundled documentation"),
-        "eval_fraction": (0.05, "fraction of documents held out for evaluation"),
+        "path": ("", "data.source=tokens: the directory written by `python -m MaxOffload.data.prepare INPUTS... "
+                     "--tokenizer byte|tokenizer.json|spm.model --out DIR` (tokens.bin, documents.npy, meta.json); "
+                     "model.vocab_size must cover its vocabulary"),
+        "eval_fraction": (0.05, "fraction of documents held out for evaluation (data.source=text; a prepared "
+                                "directory's split is fixed by prepare --eval_fraction)"),
     },
     "hardware": {
         "peak_tflops_per_device": (None, float, "peak TFLOP/s per device for MFU; None = look up the device kind in "
@@ -111,7 +156,8 @@ SCHEMA = {
 
 # One entry of remat.groups. `remat.groups.NAME.KEY=VALUE` on the command line creates NAME.
 GROUP = {
-    "layers": ("", "the layers: a range (0-7, 8-, 5) or a model group (llama: decoder; deepseek: dense, moe)"),
+    "layers": ("", "the layers: a range (0-7, 8-, 5; negative = from the end: -2- = the last two) or a model group "
+                         "(llama: decoder; deepseek: dense, moe)"),
     "policy": ("", "a preset for these layers (replaces remat.policy and remat.tensors); empty = inherit"),
     "tensors": {name: ("", "remat | device | offload for these layers; empty = inherit") for name in VOCABULARY},
 }

@@ -80,6 +80,49 @@ def _validate_remat(cfg):
     segments.layer_segments(cfg.remat, models.layer_groups(cfg))  # ranges: in bounds, disjoint
 
 
+def _validate_llama(cfg):
+    model = cfg.model
+    _positive(cfg, "model.num_kv_heads", "model.head_dim")
+    _require(model.num_heads % model.num_kv_heads == 0,
+             f"model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads}")
+    _require(model.head_dim % 2 == 0, f"model.head_dim={model.head_dim} must be even for RoPE")
+    _choice("model.rope_scaling", model.rope_scaling, ("none", "llama3"))
+    if model.rope_scaling == "llama3":
+        _require(model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {model.rope_factor}")
+        _require(0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
+                 "model.rope_low_freq_factor must be > 0 and below model.rope_high_freq_factor")
+        _positive(cfg, "model.rope_original_max_len")
+
+
+def _validate_deepseek(cfg):
+    model = cfg.model
+    _positive(cfg, "model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim", "model.qk_rope_head_dim",
+              "model.v_head_dim", "model.num_experts", "model.num_experts_per_tok", "model.moe_mlp_dim",
+              "model.n_groups", "model.topk_groups", "model.routed_scaling_factor")
+    _require(model.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={model.qk_rope_head_dim} must be even for RoPE")
+    _require(0 <= model.first_k_dense <= model.num_layers,
+             f"model.first_k_dense={model.first_k_dense} must be in [0, model.num_layers={model.num_layers}]")
+    for key in ("model.num_shared_experts", "model.router_bias_update_rate", "model.seq_balance_loss_weight",
+                "model.capacity_factor"):
+        _require(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
+    experts, top_k, groups, topk_groups = (model.num_experts, model.num_experts_per_tok, model.n_groups,
+                                           model.topk_groups)
+    _require(top_k <= experts, f"model.num_experts_per_tok={top_k} exceeds model.num_experts={experts}")
+    _require(experts % groups == 0, f"model.num_experts={experts} is not divisible by model.n_groups={groups}")
+    _require(topk_groups <= groups, f"model.topk_groups={topk_groups} exceeds model.n_groups={groups}")
+    _require(top_k <= topk_groups * (experts // groups),
+             f"model.num_experts_per_tok={top_k} exceeds the {topk_groups * (experts // groups)} experts in "
+             f"model.topk_groups={topk_groups} groups of {experts // groups}; raise topk_groups")
+    _choice("model.rope_scaling", model.rope_scaling, ("none", "yarn"))
+    if model.rope_scaling == "yarn":
+        _require(model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {model.rope_factor}")
+        _require(0 < model.rope_beta_slow < model.rope_beta_fast,
+                 "model.rope_beta_slow must be > 0 and below model.rope_beta_fast")
+        _positive(cfg, "model.rope_original_max_len")
+        for key in ("model.rope_mscale", "model.rope_mscale_all_dim"):
+            _require(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
+
+
 def validate(cfg):
     from MaxOffload import models  # the families say which names they tag
     from MaxOffload.data import tokenizer
@@ -99,23 +142,24 @@ def validate(cfg):
     _require(0 <= train.final_lr_ratio <= 1, f"train.final_lr_ratio must be in [0, 1], got {train.final_lr_ratio}")
     for key in ("train.adam_b1", "train.adam_b2"):
         _require(0 <= _get(cfg, key) < 1, f"{key} must be in [0, 1), got {_get(cfg, key)}")
+    _choice("train.on_nonfinite", train.on_nonfinite, ("stop", "skip"))
+    _require(train.loss_spike_factor == 0 or train.loss_spike_factor > 1,
+             f"train.loss_spike_factor must be > 1 (or 0 to disable), got {train.loss_spike_factor}")
+    _require(cfg.checkpoint.every_steps >= 0, f"checkpoint.every_steps must be >= 0, got {cfg.checkpoint.every_steps}")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
+    source = cfg.checkpoint.load_params_from
+    _require(not source or os.path.isdir(source), f"checkpoint.load_params_from={source}: no such directory")
     _require(train.eval_every >= 0, f"train.eval_every must be >= 0 (0 disables), got {train.eval_every}")
 
     _choice("model.family", model.family, tuple(models.FAMILIES))
-    _positive(cfg, "model.vocab_size", "model.emb_dim", "model.num_layers", "model.num_heads",
-              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.norm_eps",
-              "model.rope_theta", "model.init_std")
-    _require(model.num_heads % model.num_kv_heads == 0,
-             f"model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads}")
-    _require(model.head_dim % 2 == 0, f"model.head_dim={model.head_dim} must be even for RoPE")
+    _positive(cfg, "model.vocab_size", "model.emb_dim", "model.num_layers", "model.num_heads", "model.mlp_dim",
+              "model.norm_eps", "model.rope_theta", "model.init_std")
     _choice("model.param_dtype", model.param_dtype, DTYPES)
     _choice("model.compute_dtype", model.compute_dtype, DTYPES)
-    _choice("model.rope_scaling", model.rope_scaling, ("none", "llama3"))
-    if model.rope_scaling == "llama3":
-        _require(model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {model.rope_factor}")
-        _require(0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
-                 "model.rope_low_freq_factor must be > 0 and below model.rope_high_freq_factor")
-        _positive(cfg, "model.rope_original_max_len")
+    if model.family == "deepseek":
+        _validate_deepseek(cfg)
+    else:
+        _validate_llama(cfg)
 
     _validate_remat(cfg)
     from MaxOffload.parallel.logical import MESH_AXES
@@ -128,7 +172,7 @@ def validate(cfg):
         for axis, size in cfg.mesh[kind].items():
             _require(size == -1 or size >= 1, f"mesh.{kind}.{axis}={size}: give a size >= 1, or -1 for the rest")
 
-    _choice("data.source", data.source, ("text", "synthetic"))
+    _choice("data.source", data.source, ("text", "tokens", "synthetic"))
     for path in data.text_files:
         _require(isinstance(path, str), f"data.text_files: {path!r} is not a path; give file names")
         _require(os.path.isfile(path), f"data.text_files: {path} not found; give existing UTF-8 text files")
@@ -137,5 +181,12 @@ def validate(cfg):
         _require(model.vocab_size >= tokenizer.VOCAB_SIZE,
                  f"model.vocab_size={model.vocab_size} is below the byte tokenizer's {tokenizer.VOCAB_SIZE} "
                  f"tokens; set model.vocab_size>={tokenizer.VOCAB_SIZE}")
+    if data.source == "tokens":
+        from MaxOffload.data import tokenized
+
+        meta = tokenized.read_meta(data.path)  # exists, has meta.json, tokens.bin of the stated size
+        _require(model.vocab_size >= meta["vocab_size"],
+                 f"model.vocab_size={model.vocab_size} is below the {meta['vocab_size']:,} token ids of data.path="
+                 f"{data.path} ({meta['tokenizer']['name']}); set model.vocab_size>={meta['vocab_size']}")
     peak = cfg.hardware.peak_tflops_per_device
     _require(peak is None or peak > 0, f"hardware.peak_tflops_per_device must be > 0 (or None to look it up), got {peak}")

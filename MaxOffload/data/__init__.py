@@ -3,18 +3,27 @@
 A batch is a dict of numpy arrays [rows, seq_len]: `inputs` and `targets` (int32 token
 ids, targets = inputs shifted by one) and `mask` (float32, 0 where the loss must ignore
 a position, e.g. padding).
+
+Sources (data.source): `text` (text.py: byte-level tokens of data.text_files or the bundled
+docs, built in memory), `tokens` (tokenized.py: a directory written by
+`python -m MaxOffload.data.prepare`, memory-mapped) -- both read by tokenized.TokenWindows --
+and `synthetic` (seeded random tokens). The submodules are imported on use, so that
+`python -m MaxOffload.data.prepare` starts without JAX.
 """
-from MaxOffload.data import synthetic, text
 
 
 def build(cfg, process_index=0, process_count=1):
     """The configured dataset, yielding this process's rows of each global batch."""
     import jax
 
+    from MaxOffload.data import synthetic, text, tokenized
+
     global_batch = cfg.train.per_device_batch_size * jax.device_count()
     kwargs = dict(global_batch=global_batch, seq_len=cfg.train.seq_len, seed=cfg.run.seed,
                   process_index=process_index, process_count=process_count)
     if cfg.data.source == "synthetic":
         return synthetic.SyntheticData(vocab_size=cfg.model.vocab_size, **kwargs)
+    if cfg.data.source == "tokens":
+        return tokenized.TokenizedData(cfg.data.path, **kwargs)
     return text.TextData(text.load_documents(list(cfg.data.text_files)), eval_fraction=cfg.data.eval_fraction,
                          **kwargs)

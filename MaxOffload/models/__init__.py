@@ -3,7 +3,7 @@ import collections
 
 from flax import nnx
 
-from MaxOffload.models import llama
+from MaxOffload.models import deepseek, llama
 from MaxOffload.offload import segments
 
 # layer_groups(model_config) -> {name: (start, stop)}: the model's separately scanned stacks.
@@ -12,6 +12,8 @@ Family = collections.namedtuple("Family", "config_class model_class TAGGED_NAMES
 FAMILIES = {
     "llama": Family(llama.LlamaConfig, llama.Llama, llama.TAGGED_NAMES, llama.PRESETS,
                     lambda c: {"decoder": (0, c.num_layers)}),
+    "deepseek": Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.TAGGED_NAMES, deepseek.PRESETS,
+                       deepseek.layer_groups),
 }
 
 

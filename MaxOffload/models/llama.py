@@ -98,7 +98,7 @@ def stacked_layers(make_layer, num_layers, rngs):
     return create(rngs)
 
 
-def run_layers(layers, x, positions, segments, scan, params_on_host=False):
+def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_outputs=False):
     """Applies stacked `layers` to x, segment by segment.
 
     segments: ((start, stop, policy, label), ...) covering the layers in order; each segment
@@ -107,23 +107,34 @@ def run_layers(layers, x, positions, segments, scan, params_on_host=False):
     stacked parameters (for tests and debugging). params_on_host: the stacked parameters live
     in pinned host memory and each layer's slice is copied to the device inside the scan, so
     only the current layer's weights need HBM.
+
+    A layer returns h, or (h, outputs) with per-layer outputs (e.g. MoE expert loads);
+    with_outputs=True returns (x, outputs stacked over all layers on a leading axis).
     """
     graphdef, stacked = nnx.split(layers)
 
     def body(h, layer_state):
-        return nnx.merge(graphdef, to_device(layer_state, params_on_host))(h, positions), None
+        out = nnx.merge(graphdef, to_device(layer_state, params_on_host))(h, positions)
+        return out if isinstance(out, tuple) else (out, None)
 
+    outputs = []
     for start, stop, policy, label in segments:
         segment_state = stacked if (start, stop) == (0, _depth(stacked)) else \
             jax.tree.map(lambda p: p[start:stop], stacked)
         step = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
         with jax.named_scope(label):
             if scan:
-                x, _ = jax.lax.scan(step, x, segment_state)
+                x, ys = jax.lax.scan(step, x, segment_state)
             else:
+                per_layer = []
                 for i in range(stop - start):
-                    x, _ = step(x, jax.tree.map(lambda p: p[i], segment_state))
-    return x
+                    x, y = step(x, jax.tree.map(lambda p: p[i], segment_state))
+                    per_layer.append(y)
+                ys = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        outputs.append(ys)
+    if not with_outputs:
+        return x
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *outputs)
 
 
 def to_device(tree, enabled=True):

@@ -121,12 +121,20 @@ def cuda_host_placements(module_text):
     return placements
 
 
-def _batch_shards(setup):
+def bytes_per_device(aval, name, setup):
+    """Bytes of one tagged activation on one device, split as the sharding rules split its logical
+    axes (dimensions an axis cannot divide evenly are counted whole)."""
     from MaxOffload.parallel.logical import partition_spec
 
-    spec = partition_spec(("activation_batch",), setup.rules, setup.mesh.axis_names)[0]
-    axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
-    return math.prod(setup.mesh.shape[a] for a in axes)
+    axes = names.ACTIVATION_AXES.get(name)
+    if axes is None or len(axes) != len(aval.shape):
+        axes = ("activation_batch",) + (None,) * (len(aval.shape) - 1)
+    spec = partition_spec(axes, setup.rules, setup.mesh.axis_names)
+    count = 1
+    for dim, entry in zip(aval.shape, spec):
+        ways = math.prod(setup.mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+        count *= dim // ways if dim % ways == 0 else dim
+    return count * aval.dtype.itemsize
 
 
 def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
@@ -135,6 +143,7 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
 
     from MaxOffload import models
     from MaxOffload.parallel import logical
+    from MaxOffload.parallel.mesh import describe as mesh_describe
     from MaxOffload.train.step import DEVICE, HOST
 
     with logical.activate(setup.mesh, setup.rules):
@@ -144,7 +153,6 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
         exported = setup.lower_train_step(lambda jitted, *args: jax.export.export(jitted, platforms=["cuda"])(*args))
         lowered_text = exported.mlir_module()
     placements = cuda_host_placements(lowered_text)
-    shards = _batch_shards(setup)
 
     groups, problems, expected_placements = {}, [], []
     for segment in models.remat_segments(cfg):
@@ -155,7 +163,7 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
                  "layers": [segment.start, segment.stop - 1], "offloaded": [], "saved": [], "remat": [],
                  "unused": [], "tensors": {}, "offload_bytes_per_device": 0, "missing": []}
         for name, (kind, aval) in seen.items():
-            per_device = math.prod(aval.shape) * aval.dtype.itemsize * layers // shards
+            per_device = bytes_per_device(aval, name, setup) * layers
             entry["tensors"][name] = {"requested": requested[name], "result": kind, "shape": list(aval.shape),
                                       "dtype": str(aval.dtype), "bytes_per_device_per_step": per_device}
             if kind.startswith("offload"):
@@ -164,8 +172,8 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
             entry["offloaded" if kind.startswith("offload") else "saved" if kind == "device" else kind].append(name)
             if not _as_requested(name, requested[name], kind):
                 problems.append(f"{segment.label}: {name} requested {requested[name]}, got {kind}"
-                                + (" (the layer input is the scan carry, which the backward always keeps; "
-                                   "offloading it saves no HBM, jax#23869)" if name in names.ALWAYS_KEPT else ""))
+                                + (" (the layer input is the scan carry; a host copy that is also kept in HBM "
+                                   "saves nothing, cf. jax#23869)" if name in names.ALWAYS_KEPT else ""))
         for name, want in requested.items():
             if want != "remat" and name not in seen and name in models.FAMILIES[cfg.model.family].TAGGED_NAMES:
                 entry["missing"].append(name)
@@ -178,7 +186,7 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
         problems.append(f"CUDA lowering has {len(placements)} pinned_host placements {sorted(placements)}, "
                         f"expected {len(expected_placements)} {sorted(expected_placements)}")
     host_args = len(re.findall(r'%arg\d+: tensor<[^>]*> \{mhlo\.memory_kind = "pinned_host"', lowered_text))
-    report = {"config": cfg.run.output_dir, "devices": setup.mesh.size, "batch_shards": shards,
+    report = {"config": cfg.run.output_dir, "devices": setup.mesh.size, "mesh": mesh_describe(setup.mesh),
               "groups": groups, "cuda_pinned_host_placements": len(placements),
               "state_host_arrays": host_args, "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
               "state_device_bytes_per_device": setup.state_bytes_per_device(DEVICE),
@@ -227,7 +235,7 @@ def format_report(report):
                      f"missing: {', '.join(g['missing']) or 'none'}")
     lines.append(f"CUDA lowering: {report['cuda_pinned_host_placements']} pinned_host placements; "
                  f"offloaded in total {_mb(report['offload_bytes_per_device'])} per device per step "
-                 f"(activations sharded {report['batch_shards']} ways over the batch)")
+                 f"(split by the sharding rules over mesh {report['mesh']})")
     lines.append(f"parameters + optimizer state per device: {_mb(report['state_device_bytes_per_device'])} in HBM, "
                  f"{_mb(report['state_host_bytes_per_device'])} in pinned host memory "
                  f"({report['state_host_arrays']} host-resident arrays in the CUDA lowering)")

@@ -31,6 +31,10 @@ VOCABULARY = {
 }
 
 DECODER_LAYER_INPUT = "decoder_layer_input"
+QUERY_WA_PROJ = "query_wa_proj"
+KV_WA_PROJ = "kv_wa_proj"
+MLA_Q = "mla_q"
+MLA_KV = "mla_kv"
 QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
@@ -39,14 +43,33 @@ OUT_PROJ = "out_proj"
 MLPWI_0 = "mlpwi_0"
 MLPWI_1 = "mlpwi_1"
 MLPWO = "mlpwo"
+MOE_MLPWI_0 = "moe_mlpwi_0"
+MOE_MLPWI_1 = "moe_mlpwi_1"
+MOE_MLPWO = "moe_mlpwo"
 
-# The layer input is the scan carry: jax.checkpoint keeps a checkpointed function's inputs,
-# so the backward pass always has it in HBM whatever the policy says (jax#23869).
+# The layer input is the scan carry and the checkpointed function's input: asking to recompute
+# it still keeps it in HBM (there is nothing to recompute it from). Offloading it does move
+# it to the host (checked on jax 0.10.2; jax#23869 reported otherwise for older versions).
 ALWAYS_KEPT = (DECODER_LAYER_INPUT,)
 
-for _name in (DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT,
-              OUT_PROJ, MLPWI_0, MLPWI_1, MLPWO):
+for _name in (DECODER_LAYER_INPUT, QUERY_WA_PROJ, KV_WA_PROJ, MLA_Q, MLA_KV, QUERY_PROJ, KEY_PROJ, VALUE_PROJ,
+              ATTENTION_OUT, OUT_PROJ, MLPWI_0, MLPWI_1, MLPWO, MOE_MLPWI_0, MOE_MLPWI_1, MOE_MLPWO):
     assert _name in VOCABULARY, _name
+
+
+# Logical axes of the tagged activations (layer-input layout, per layer): how the sharding
+# rules split them, used to report bytes per device. Names missing here are reported as
+# split over the batch only.
+_BLE = ("activation_batch", "activation_length", "activation_embed")
+ACTIVATION_AXES = {
+    DECODER_LAYER_INPUT: _BLE, OUT_PROJ: _BLE, MLPWO: _BLE,
+    QUERY_PROJ: ("activation_batch", "activation_length", "activation_heads", "activation_kv"),
+    ATTENTION_OUT: ("activation_batch", "activation_length", "activation_heads", "activation_kv"),
+    KEY_PROJ: ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv"),
+    VALUE_PROJ: ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv"),
+    MLPWI_0: ("activation_batch", "activation_length", "activation_mlp"),
+    MLPWI_1: ("activation_batch", "activation_length", "activation_mlp"),
+}
 
 
 def tag(x, name):

@@ -8,6 +8,7 @@ DeepSeek's "dense" / "moe") — and overrides them:
 Ranges split the scan: each run of layers with the same decisions is one scanned segment.
 """
 import dataclasses
+import re
 
 from MaxOffload.config.loader import ConfigError, suggest
 from MaxOffload.offload import policy as policy_lib
@@ -30,8 +31,12 @@ class Segment:
         return policy_lib.policy_from_decisions(dict(self.decisions), self.save_everything)
 
 
+_RANGE = re.compile(r"^(-?\d+)(?:(-)(-?\d+)?)?$")
+
+
 def parse_layers(spec, group_name, model_groups, num_layers):
-    """'3' | '0-7' | '8-' | a model group name -> (start, stop)."""
+    """'3' | '0-7' | '8-' | a model group name -> (start, stop). Negative numbers count from
+    the end, as in Python: '-2-' is the last two layers, '-1' the last one."""
     text = spec.strip()
     where = f"remat.groups.{group_name}.layers={spec!r}"
     if text in model_groups:
@@ -39,16 +44,18 @@ def parse_layers(spec, group_name, model_groups, num_layers):
     if not text:
         raise ConfigError(f"{where}: give a layer range such as 0-7 or 8-, or a model group "
                           f"({', '.join(model_groups)})")
-    lo, dash, hi = text.partition("-")
-    try:
-        start = int(lo)
-        stop = (int(hi) + 1 if hi else num_layers) if dash else start + 1
-    except ValueError:
-        raise ConfigError(f"{where} is neither a layer range (0-7, 8-, 5) nor a model group"
-                          f"{suggest(text, model_groups)}; model groups: {', '.join(model_groups)}") from None
-    if not 0 <= start < stop <= num_layers:
+    match = _RANGE.match(text)
+    if not match:
+        raise ConfigError(f"{where} is neither a layer range (0-7, 8-, 5, -2- for the last two) nor a model group"
+                          f"{suggest(text, model_groups)}; model groups: {', '.join(model_groups)}")
+    lo, dash, hi = match.groups()
+    start = int(lo) + (num_layers if int(lo) < 0 else 0)
+    last = (int(hi) + (num_layers if int(hi) < 0 else 0)) if hi else (num_layers - 1 if dash else start)
+    if not (0 <= start < num_layers and 0 <= last < num_layers):
         raise ConfigError(f"{where} is out of range: the model has layers 0-{num_layers - 1}")
-    return start, stop
+    if last < start:
+        raise ConfigError(f"{where} is reversed: write the first layer first, e.g. {last}-{start}")
+    return start, last + 1
 
 
 def group_decisions(remat_cfg, group):

@@ -18,6 +18,7 @@ DEFAULT_RULES = {
     "activation_length": ("context",),
     "activation_embed": (),
     "activation_heads": ("tensor",),
+    "activation_kv_heads": ("tensor",),
     "activation_mlp": ("tensor",),
     "activation_vocab": ("tensor",),
     "embed": ("fsdp",),
@@ -28,6 +29,11 @@ DEFAULT_RULES = {
     "mlp": ("tensor",),
     "norm": (),
     "layers": (),
+    # DeepSeek: MLA latents (FSDP-shard the up-projections, whose other axes are heads) and experts.
+    "q_lora": ("fsdp",),
+    "kv_lora": ("fsdp",),
+    "exp": ("expert",),
+    "moe_mlp": ("tensor",),
 }
 
 _active = threading.local()
@@ -57,6 +63,11 @@ def activate(mesh, rules):
         yield
     finally:
         _active.value = previous
+
+
+def active():
+    """(mesh, rules) of the enclosing `activate` block, or None outside one."""
+    return getattr(_active, "value", None)
 
 
 def constrain(x, axes):

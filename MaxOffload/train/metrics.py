@@ -14,14 +14,25 @@ def _duration(seconds):
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def _lines_up_to(path, step):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+
+
 class MetricsLogger:
     """Every step to metrics.jsonl (one JSON object per line) and TensorBoard; a console line every N."""
 
-    def __init__(self, output_dir, total_steps, log_every, stream=sys.stdout, enabled=True):
-        """enabled=False (processes other than 0 of a multi-process job): writes nothing."""
+    def __init__(self, output_dir, total_steps, log_every, stream=sys.stdout, enabled=True, resume_from=0):
+        """enabled=False (processes other than 0 of a multi-process job): writes nothing.
+        resume_from=N: keep the lines of steps <= N from an earlier run (later ones are redone)."""
         self.total_steps, self.log_every, self.enabled = total_steps, log_every, enabled
         self.stream = stream if enabled else open(os.devnull, "w")
-        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull, "w")
+        path = os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull
+        kept = _lines_up_to(path, resume_from) if resume_from and enabled else []
+        self.jsonl = open(path, "w")
+        self.jsonl.writelines(kept)
         self.tensorboard = EventFileWriter(os.path.join(output_dir, "tensorboard")) if enabled else None
         self.started = time.perf_counter()
 

@@ -114,11 +114,17 @@ class TrainSetup:
         params = to_device(state["params"], offload.params)
         grads = to_device(grads, offload.params)
         opt_state = to_device(state["opt_state"], offload.optimizer_state)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state, "model_state": aux.get("model_state", state["model_state"])}
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self.schedule(state["step"]),
-                   **aux.get("metrics", {})}
+        updates, new_opt_state = self.tx.update(grads, opt_state, params)
+        grad_norm = optax.global_norm(grads)
+        # A non-finite loss or gradient never reaches the state: keep the old values.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = {"step": state["step"] + 1,
+                     "params": keep(optax.apply_updates(params, updates), params),
+                     "opt_state": keep(new_opt_state, opt_state),
+                     "model_state": keep(aux.get("model_state", state["model_state"]), state["model_state"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state["step"]),
+                   "nonfinite": 1.0 - finite.astype(jnp.float32), **aux.get("metrics", {})}
         return new_state, metrics
 
     def eval_step(self, params, model_state, batch):

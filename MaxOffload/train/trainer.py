@@ -1,7 +1,15 @@
-"""The imperative shell around the jitted step: data in, metrics/eval/summary out."""
+"""The imperative shell around the jitted step: data in; metrics, evaluation, checkpoints and a
+summary out; resume, preemption and non-finite steps handled.
+
+Exit codes (train.py): 0 done, 1 stopped on a non-finite step or a parity failure, 2 bad input,
+PREEMPTED (42) saved after SIGTERM/SIGUSR1 — the Slurm launcher requeues the job.
+"""
 import json
 import os
+import signal
 import time
+
+import numpy as np
 
 import jax
 
@@ -9,12 +17,15 @@ from MaxOffload import data as data_lib
 from MaxOffload import hardware
 from MaxOffload.config.loader import ConfigError, describe
 from MaxOffload.train.flops import train_flops_per_step
+from MaxOffload.train.checkpoint import Checkpointer, load_params
+from MaxOffload.train.errors import NonFiniteError
 from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed
 from MaxOffload.parallel.mesh import describe as mesh_describe
 from MaxOffload.train.step import HOST, TrainSetup
 
 
+PREEMPTED = 42
 _LEAD = [True]  # whether this process reports (process 0 of a multi-process job)
 
 
@@ -63,8 +74,11 @@ def verify_parity(cfg):
                           "not training. Try another XLA version or policy, and report it.")
 
 
+class Preempted(Exception):
+    """SIGTERM/SIGUSR1: the state was saved; exit with PREEMPTED so the launcher requeues."""
+
+
 def run(cfg):
-    out = cfg.run.output_dir
     process_index, process_count = distributed.initialize(cfg)
     _LEAD[0] = process_index == 0
     _say("MaxOffload config:\n" + describe(cfg))
@@ -72,96 +86,193 @@ def run(cfg):
         _say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
     if _LEAD[0]:
         prepare_output_dir(cfg)
+    setup = TrainSetup(cfg, jax.devices())
+    summary = describe_setup(cfg, setup)
+    if cfg.run.dry_run:
+        if _LEAD[0]:
+            _write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
+        _say(f"dry run: nothing allocated or compiled; wrote {os.path.join(cfg.run.output_dir, 'summary.json')}")
+        return 0
+    if cfg.offload.verify_parity:
+        verify_parity(cfg)
+    try:
+        return Training(cfg, setup, summary, process_index, process_count).run()
+    except Preempted:
+        return PREEMPTED
+
+
+def describe_setup(cfg, setup):
     devices = jax.devices()
-    setup = TrainSetup(cfg, devices)
     global_batch = cfg.train.per_device_batch_size * len(devices)
-    flops_per_step = train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)
     summary = {"params_total": setup.params_total(), "state_bytes_per_device": setup.state_bytes_per_device(),
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
                "devices": len(devices), "device_kind": devices[0].device_kind, "global_batch": global_batch,
-               "model_flops_per_step": flops_per_step}
+               "model_flops_per_step": train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)}
     _say(f"model {cfg.model.family}: {_human(summary['params_total'])} parameters; params + optimizer state "
          f"{_human(summary['state_bytes_per_device'], 'B')} per device "
          f"({_human(summary['state_host_bytes_per_device'], 'B')} of it in pinned host memory) on "
          f"{len(devices)} x {devices[0].device_kind} (mesh {mesh_describe(setup.mesh)}); "
-         f"{_human(flops_per_step, 'FLOP')} per step")
-    if cfg.run.dry_run:
-        if _LEAD[0]:
-            _write_json(os.path.join(out, "summary.json"), summary)
-        _say(f"dry run: nothing allocated or compiled; wrote {os.path.join(out, 'summary.json')}")
-        return 0
+         f"{_human(summary['model_flops_per_step'], 'FLOP')} per step")
+    return summary
 
-    if cfg.offload.verify_parity:
-        verify_parity(cfg)
-    data = data_lib.build(cfg, process_index, process_count)
-    _say(f"data: {data.description}")
-    state = setup.init_state()
-    _say("compiling the training step ...")
-    started = time.perf_counter()
-    train_step = setup.compile_train_step()
-    eval_step = setup.compile_eval_step()
-    summary["compile_time_s"] = time.perf_counter() - started
-    _say(f"compiled in {summary['compile_time_s']:.1f} s; training {cfg.train.steps} steps of {global_batch} x "
-         f"{cfg.train.seq_len} tokens")
-    eval_batches = [setup.put_batch(b) for b in data.eval_batches(cfg.train.eval_batches)]
-    peak = peak_flops_per_device(cfg)
-    logger = MetricsLogger(out, cfg.train.steps, cfg.run.log_every, enabled=_LEAD[0])
-    tokens_per_device = global_batch * cfg.train.seq_len / len(devices)
 
-    def evaluate(step):
-        total = count = 0.0
-        for batch in eval_batches:
-            batch_total, batch_count = eval_step(state["params"], state["model_state"], batch)
-            total, count = total + float(batch_total), count + float(batch_count)
-        result = {"loss": total / max(count, 1.0)}
-        logger.log_eval(step, result)
-        return result["loss"]
+class Training:
+    def __init__(self, cfg, setup, summary, process_index, process_count):
+        self.cfg, self.setup, self.summary = cfg, setup, summary
+        self.process_count = process_count
+        self.data = data_lib.build(cfg, process_index, process_count)
+        _say(f"data: {self.data.description}")
+        self.devices = len(jax.devices())
+        self.peak = peak_flops_per_device(cfg)
+        self.signals = []
+        self.history, self.spikes, self.skipped, self.loss_average = [], 0, 0, None
 
-    def record(step, metrics, since):
+    # -- state -------------------------------------------------------------------------------
+    def initial_state(self, checkpointer):
+        """(state, first step): the newest checkpoint if resuming, else fresh (optionally with loaded params)."""
+        if self.cfg.checkpoint.resume:
+            restored = checkpointer.restore_latest()
+            if restored is not None:
+                state, meta = restored
+                _say(f"resumed from {checkpointer.directory}/{meta['step']} (step {meta['step']})")
+                return state, int(meta["step"])
+        state = self.setup.init_state()
+        if self.cfg.checkpoint.load_params_from:
+            params, step = load_params(self.cfg.checkpoint.load_params_from, self.setup)
+            state = {**state, "params": params}
+            _say(f"parameters loaded from {self.cfg.checkpoint.load_params_from} (step {step})")
+        return state, 0
+
+    def save(self, checkpointer, step, state):
+        if step in checkpointer.manager.all_steps():
+            return
+        checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
+                                        "data": self.data.description})
+
+    # -- signals -----------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame):
+        self.signals.append(signum)
+
+    def stop_requested(self):
+        """Whether any process got SIGTERM/SIGUSR1 (all processes must agree to save together)."""
+        local = bool(self.signals)
+        if self.process_count == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self):
+        cfg, setup = self.cfg, self.setup
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        checkpointer = Checkpointer(cfg, setup)
+        state, start = self.initial_state(checkpointer)
+        _say("compiling the training step ...")
+        started = time.perf_counter()
+        train_step, self.eval_step = setup.compile_train_step(), setup.compile_eval_step()
+        self.summary["compile_time_s"] = time.perf_counter() - started
+        _say(f"compiled in {self.summary['compile_time_s']:.1f} s; training steps {start + 1}-{cfg.train.steps} of "
+             f"{self.summary['global_batch']} x {cfg.train.seq_len} tokens")
+        self.eval_batches = [setup.put_batch(b) for b in self.data.eval_batches(cfg.train.eval_batches)]
+        self.logger = MetricsLogger(cfg.run.output_dir, cfg.train.steps, cfg.run.log_every, enabled=_LEAD[0],
+                                    resume_from=start)
+        pending, self.last_done = None, time.perf_counter()
+        try:
+            for step in range(start, cfg.train.steps):
+                state, metrics = train_step(state, setup.put_batch(self.data.train_batch(step)))
+                pending = self.report(pending)  # the previous step, while the device works on this one
+                pending, done = (step + 1, metrics), step + 1
+                due_eval = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps
+                due_save = cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0
+                stop = self.stop_requested()
+                if due_eval or due_save or stop:
+                    pending = self.report(pending)
+                    if due_eval:
+                        self.evaluate(state, done)
+                    if due_save or stop:
+                        self.save(checkpointer, done, state)
+                    if stop:
+                        checkpointer.wait()
+                        _say(f"preempted by signal {self.signals[0] if self.signals else '(on another process)'}: "
+                             f"saved step {done}; exiting with {PREEMPTED} so the launcher requeues the job")
+                        raise Preempted()
+            pending = self.report(pending)
+            self.save(checkpointer, cfg.train.steps, state)
+            eval_loss = self.evaluate(state, cfg.train.steps)
+        except NonFiniteError:
+            # the bad update was never applied: the state in hand is the last good one
+            self.save(checkpointer, int(jax.device_get(state["step"])), state)
+            raise
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            checkpointer.close()
+            self.logger.close()
+        return self.finish(eval_loss, start)
+
+    def report(self, pending):
+        """Logs a finished step (waiting for it); returns None (nothing pending)."""
+        if pending is None:
+            return None
+        step, metrics = pending
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
-        seconds = time.perf_counter() - since
-        flops_per_s = flops_per_step / len(devices) / seconds
-        values.update(step_time_s=seconds, tokens_per_sec_per_device=tokens_per_device / seconds,
-                      tflops_per_sec_per_device=flops_per_s / 1e12, mfu=flops_per_s / peak if peak else None)
-        logger.log_step(step, values)
-        return values
+        seconds = time.perf_counter() - self.last_done
+        self.last_done = time.perf_counter()
+        flops_per_s = self.summary["model_flops_per_step"] / self.devices / seconds
+        tokens = self.summary["global_batch"] * self.cfg.train.seq_len / self.devices
+        values.update(step_time_s=seconds, tokens_per_sec_per_device=tokens / seconds,
+                      tflops_per_sec_per_device=flops_per_s / 1e12,
+                      mfu=flops_per_s / self.peak if self.peak else None)
+        self.logger.log_step(step, values)
+        self.history.append(values)
+        self.check_health(step, values)
+        return None
 
-    history, eval_loss = [], None
-    pending, last_done = None, time.perf_counter()  # dispatched step not yet reported; when the last one finished
+    def check_health(self, step, values):
+        if values["nonfinite"]:
+            self.skipped += 1
+            if self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(f"step {step}: non-finite loss or gradients; stopped after saving the last "
+                                     "good state (set train.on_nonfinite=skip to go on)")
+            _say(f"step {step}: non-finite loss or gradients; update skipped ({self.skipped} so far)")
+            return
+        factor, loss = self.cfg.train.loss_spike_factor, values["loss"]
+        if factor and self.loss_average is not None and len(self.history) > 10 and loss > factor * self.loss_average:
+            self.spikes += 1
+            _say(f"warning: loss spike at step {step}: {loss:.4f} vs a recent average of {self.loss_average:.4f}")
+        self.loss_average = loss if self.loss_average is None else 0.9 * self.loss_average + 0.1 * loss
 
-    def report_pending():
-        nonlocal pending, last_done
-        if pending is not None:
-            history.append(record(*pending, last_done))
-            pending, last_done = None, time.perf_counter()
+    def evaluate(self, state, step):
+        total = count = 0.0
+        for batch in self.eval_batches:
+            batch_total, batch_count = self.eval_step(state["params"], state["model_state"], batch)
+            total, count = total + float(batch_total), count + float(batch_count)
+        loss = total / max(count, 1.0)
+        self.logger.log_eval(step, {"loss": loss})
+        self.last_done = time.perf_counter()  # evaluation time is not step time
+        return loss
 
-    try:
-        for step in range(cfg.train.steps):
-            state, metrics = train_step(state, setup.put_batch(data.train_batch(step)))
-            report_pending()  # the previous step, while the device works on this one
-            pending = (step + 1, metrics)
-            if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.steps:
-                report_pending()
-                evaluate(step + 1)
-                last_done = time.perf_counter()
-        report_pending()
-        eval_loss = evaluate(cfg.train.steps)
-    finally:
-        logger.close()
-
-    steady = history[1:] or history
-    mean = lambda key: sum(h[key] for h in steady) / len(steady)  # noqa: E731
-    summary.update(steps=cfg.train.steps, first_loss=history[0]["loss"], final_loss=history[-1]["loss"],
-                   final_eval_loss=eval_loss, train_time_s=time.perf_counter() - logger.started,
-                   mean_step_time_s=mean("step_time_s"), tokens_per_sec_per_device=mean("tokens_per_sec_per_device"),
-                   tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
-                   mfu=mean("mfu") if peak else None)
-    if _LEAD[0]:
-        _write_json(os.path.join(out, "summary.json"), summary)
-    mfu = f"{summary['mfu'] * 100:.1f}%" if peak else "n/a (unknown device peak; set hardware.peak_tflops_per_device)"
-    _say(f"done: {cfg.train.steps} steps in {summary['train_time_s']:.1f} s (+ {summary['compile_time_s']:.1f} s "
-         f"compile) | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | eval loss {eval_loss:.3f} | "
-         f"{summary['mean_step_time_s']:.3f} s/step | {summary['tokens_per_sec_per_device']:,.0f} tok/s/dev | "
-         f"{summary['tflops_per_sec_per_device']:.3f} TFLOP/s/dev | MFU {mfu}")
-    _say(f"outputs in {out}: config.json metrics.jsonl summary.json tensorboard/")
-    return 0
+    def finish(self, eval_loss, start):
+        cfg, summary, history = self.cfg, self.summary, self.history
+        if not history:
+            _say(f"nothing to train: the checkpoint is already at step {start} of {cfg.train.steps}")
+            return 0
+        steady = history[1:] or history
+        mean = lambda key: sum(h[key] for h in steady) / len(steady)  # noqa: E731
+        summary.update(steps=cfg.train.steps, resumed_from_step=start, first_loss=history[0]["loss"],
+                       final_loss=history[-1]["loss"], final_eval_loss=eval_loss,
+                       train_time_s=time.perf_counter() - self.logger.started, mean_step_time_s=mean("step_time_s"),
+                       tokens_per_sec_per_device=mean("tokens_per_sec_per_device"),
+                       tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
+                       mfu=mean("mfu") if self.peak else None, skipped_steps=self.skipped, loss_spikes=self.spikes)
+        if _LEAD[0]:
+            _write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
+        mfu = f"{summary['mfu'] * 100:.1f}%" if self.peak else \
+            "n/a (unknown device peak; set hardware.peak_tflops_per_device)"
+        _say(f"done: {len(history)} steps in {summary['train_time_s']:.1f} s (+ {summary['compile_time_s']:.1f} s "
+             f"compile) | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | eval loss {eval_loss:.3f} "
+             f"| {summary['mean_step_time_s']:.3f} s/step | {summary['tokens_per_sec_per_device']:,.0f} tok/s/dev | "
+             f"{summary['tflops_per_sec_per_device']:.3f} TFLOP/s/dev | MFU {mfu}")
+        _say(f"outputs in {cfg.run.output_dir}: config.json metrics.jsonl summary.json tensorboard/ checkpoints/")
+        return 0

@@ -1,0 +1,316 @@
+"""DeepSeek-V3: Multi-head Latent Attention (MLA) with decoupled RoPE + YaRN, DeepSeekMoE
+(models/moe.py), the first `first_k_dense` layers dense. The dense and the MoE layers are two
+separately scanned stacks, the model groups "dense" and "moe" of remat.groups.
+
+The multi-token-prediction (MTP) module of the paper is not part of this model.
+"""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, apply_rope, param
+from MaxOffload.models.llama import on_device, run_layers, stacked_layers, to_device
+from MaxOffload.models.moe import MoE, RouterBias, updated_bias
+from MaxOffload.offload import names
+from MaxOffload.parallel.logical import constrain
+
+# Every name this family tags. The shared expert is a dense MLP that every token passes through, so it
+# tags mlpwi_0/mlpwi_1/mlpwo like the dense layers' MLP; the moe_* names are the routed experts only,
+# which is what a policy usually wants to treat differently (offloaded in the JAX-Toolbox recipe).
+TAGGED_NAMES = (names.DECODER_LAYER_INPUT, names.QUERY_WA_PROJ, names.KV_WA_PROJ, names.MLA_Q, names.MLA_KV,
+                names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ, names.ATTENTION_OUT, names.OUT_PROJ,
+                names.MLPWI_0, names.MLPWI_1, names.MLPWO, names.MOE_MLPWI_0, names.MOE_MLPWI_1, names.MOE_MLPWO)
+
+# Per-layer MoE metrics (moe/max_load_layerN, ...) for models with at most this many MoE layers.
+PER_LAYER_METRICS_UP_TO = 8
+
+# Published dimensions (DeepSeek-V3 technical report / Hugging Face config) and small sizes for CPU work.
+PRESETS = {
+    "deepseek_v3_671b": dict(
+        family="deepseek", vocab_size=129280, emb_dim=7168, num_layers=61, first_k_dense=3, mlp_dim=18432,
+        num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, num_experts=256, num_experts_per_tok=8, num_shared_experts=1, moe_mlp_dim=2048,
+        n_groups=8, topk_groups=4, routed_scaling_factor=2.5, router_bias_update_rate=0.001,
+        seq_balance_loss_weight=1e-4, capacity_factor=0.0, norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling="yarn", rope_factor=40.0, rope_original_max_len=4096, rope_beta_fast=32.0,
+        rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0, tie_embeddings=False),
+    "tiny": dict(
+        family="deepseek", vocab_size=512, emb_dim=64, num_layers=3, first_k_dense=1, mlp_dim=128, num_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
+        num_experts_per_tok=2, num_shared_experts=1, moe_mlp_dim=32, n_groups=4, topk_groups=2,
+        routed_scaling_factor=2.5, router_bias_update_rate=0.001, seq_balance_loss_weight=1e-4, norm_eps=1e-6,
+        rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=32),
+    "small": dict(
+        family="deepseek", vocab_size=512, emb_dim=256, num_layers=6, first_k_dense=1, mlp_dim=704, num_heads=8,
+        q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=16,
+        num_experts_per_tok=4, num_shared_experts=1, moe_mlp_dim=128, n_groups=4, topk_groups=2,
+        routed_scaling_factor=2.5, router_bias_update_rate=0.001, seq_balance_loss_weight=1e-4, norm_eps=1e-6,
+        rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=128),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekConfig:
+    vocab_size: int
+    emb_dim: int
+    num_layers: int
+    first_k_dense: int
+    mlp_dim: int  # the dense layers' SwiGLU
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int
+    moe_mlp_dim: int
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias_update_rate: float = 0.001
+    seq_balance_loss_weight: float = 0.0
+    capacity_factor: float = 0.0
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 40.0
+    rope_original_max_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 1.0
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    scan_layers: bool = True
+    init_std: float = 0.02
+
+    @classmethod
+    def from_config(cls, model_cfg):
+        return cls(**{f.name: model_cfg[f.name] for f in dataclasses.fields(cls)})
+
+    @property
+    def num_moe_layers(self):
+        return self.num_layers - self.first_k_dense
+
+    def matmul_params_per_token(self):
+        """Weights each token multiplies by: MLA projections, the dense MLPs, and per MoE layer the router,
+        the top-k routed experts and the shared experts; plus the unembedding (embedding lookup excluded)."""
+        d, heads, rope = self.emb_dim, self.num_heads, self.qk_rope_head_dim
+        qk = self.qk_nope_head_dim + rope
+        mla = (d * self.q_lora_rank + self.q_lora_rank * heads * qk  # q down, q up
+               + d * (self.kv_lora_rank + rope)  # kv down + the shared rope key
+               + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # k_nope, v up
+               + heads * self.v_head_dim * d)  # output
+        moe = d * self.num_experts + 3 * d * self.moe_mlp_dim * (self.num_experts_per_tok + self.num_shared_experts)
+        return (self.num_layers * mla + self.first_k_dense * 3 * d * self.mlp_dim + self.num_moe_layers * moe
+                + d * self.vocab_size)
+
+    def attention_dims(self):
+        """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs; qk_dim = nope + rope."""
+        return self.num_layers, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+
+
+def layer_groups(c):
+    """The separately scanned stacks, global layer ranges (an empty stack is left out)."""
+    groups = {"dense": (0, c.first_k_dense), "moe": (c.first_k_dense, c.num_layers)}
+    return {name: (start, stop) for name, (start, stop) in groups.items() if stop > start}
+
+
+# --------------------------------------------------------------------------------------------
+# YaRN RoPE
+
+
+def yarn_inv_freq(dim, theta, factor, original_max_len, beta_fast, beta_slow):
+    """YaRN inverse frequencies: frequencies that turn more than beta_fast times within the original
+    context are kept, those turning fewer than beta_slow times are divided by `factor`, with a linear
+    ramp over the dimensions in between."""
+    def dim_of(rotations):  # the (fractional) dimension index that turns `rotations` times
+        return dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), dim - 1)
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    ramp = np.clip((np.arange(dim // 2) - low) / max(high - low, 1e-3), 0, 1)  # 0 keep .. 1 interpolate
+    return (inv_freq * (1 - ramp) + inv_freq / factor * ramp).astype(np.float32)
+
+
+def yarn_mscale(factor, mscale):
+    """YaRN's attention temperature correction 0.1 * mscale * ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_setup(c):
+    """(inverse frequencies, amplitude of the rotated parts, softmax scale) for the config's RoPE."""
+    scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    if c.rope_scaling == "none":
+        inv_freq = 1.0 / c.rope_theta ** (np.arange(0, c.qk_rope_head_dim, 2) / c.qk_rope_head_dim)
+        return inv_freq.astype(np.float32), 1.0, scale
+    if c.rope_scaling != "yarn":
+        raise ValueError(f"unknown rope scaling {c.rope_scaling!r} for deepseek")
+    inv_freq = yarn_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_factor, c.rope_original_max_len,
+                             c.rope_beta_fast, c.rope_beta_slow)
+    amplitude = yarn_mscale(c.rope_factor, c.rope_mscale) / yarn_mscale(c.rope_factor, c.rope_mscale_all_dim)
+    return inv_freq, amplitude, scale * yarn_mscale(c.rope_factor, c.rope_mscale_all_dim) ** 2
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-head latent attention
+
+
+def causal_attention(q, k, v, scale):
+    """Causal multi-head attention; q, k: [b, l, heads, qk_dim], v: [b, l, heads, v_dim]; softmax in f32."""
+    length = q.shape[1]
+    scores = jnp.einsum("blhd,bshd->bhls", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(jnp.tril(jnp.ones((length, length), bool)), scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhls,bshd->blhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+
+
+class MLA(nnx.Module):
+    """Queries from a normalised q latent; keys and values from a normalised kv latent shared by all heads,
+    plus a RoPE key part (qk_rope_head_dim) also shared by all heads (decoupled RoPE)."""
+
+    def __init__(self, *, emb_dim, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                 v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, compute_dtype,
+                 init_std, rngs):
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
+        self.rope_amplitude, self.softmax_scale, self.compute_dtype = rope_amplitude, softmax_scale, compute_dtype
+        self.nope, self.kv_lora_rank = qk_nope_head_dim, kv_lora_rank
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        self.wq_a = param(rngs, (emb_dim, q_lora_rank), ("embed", "q_lora"), param_dtype, init_std)
+        self.q_norm = RMSNorm(q_lora_rank, eps=norm_eps, param_dtype=param_dtype)
+        self.wq_b = param(rngs, (q_lora_rank, num_heads, qk), ("q_lora", "heads", "head_dim"), param_dtype, init_std)
+        self.wkv_a = param(rngs, (emb_dim, kv_lora_rank + qk_rope_head_dim), ("embed", "kv_lora"), param_dtype,
+                           init_std)
+        self.kv_norm = RMSNorm(kv_lora_rank, eps=norm_eps, param_dtype=param_dtype)
+        self.wk_b = param(rngs, (kv_lora_rank, num_heads, qk_nope_head_dim), ("kv_lora", "heads", "head_dim"),
+                          param_dtype, init_std)
+        self.wv_b = param(rngs, (kv_lora_rank, num_heads, v_head_dim), ("kv_lora", "heads", "head_dim"),
+                          param_dtype, init_std)
+        self.wo = param(rngs, (num_heads, v_head_dim, emb_dim), ("heads", "head_dim", "embed"), param_dtype,
+                        init_std)
+
+    def _rope(self, x, positions):
+        x = apply_rope(x, positions, jnp.asarray(self.inv_freq, jnp.float32))
+        return x if self.rope_amplitude == 1.0 else x * self.rope_amplitude
+
+    def __call__(self, x, positions):
+        cdt, nope = self.compute_dtype, self.nope
+        q_latent = names.tag(x @ self.wq_a[...].astype(cdt), names.QUERY_WA_PROJ)
+        q_latent = names.tag(self.q_norm(q_latent), names.MLA_Q)
+        q = names.tag(jnp.einsum("blr,rhd->blhd", q_latent, self.wq_b[...].astype(cdt)), names.QUERY_PROJ)
+        kv = names.tag(x @ self.wkv_a[...].astype(cdt), names.KV_WA_PROJ)
+        kv_latent = names.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
+        k_nope = names.tag(jnp.einsum("blr,rhd->blhd", kv_latent, self.wk_b[...].astype(cdt)), names.KEY_PROJ)
+        v = names.tag(jnp.einsum("blr,rhd->blhd", kv_latent, self.wv_b[...].astype(cdt)), names.VALUE_PROJ)
+        k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
+        q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+        out = names.tag(causal_attention(q, k, v, self.softmax_scale), names.ATTENTION_OUT)
+        out = jnp.einsum("blhd,hde->ble", out, self.wo[...].astype(cdt))
+        return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+
+
+# --------------------------------------------------------------------------------------------
+# layers and model
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm MLA + (SwiGLU | MoE). An MoE layer returns (x, MoE statistics)."""
+
+    def __init__(self, c: DeepSeekConfig, *, moe, rngs):
+        pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
+        inv_freq, amplitude, softmax_scale = rope_setup(c)
+        common = dict(param_dtype=pdt, compute_dtype=cdt, init_std=c.init_std, rngs=rngs)
+        self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
+        self.attention = MLA(emb_dim=c.emb_dim, num_heads=c.num_heads, q_lora_rank=c.q_lora_rank,
+                             kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                             qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, inv_freq=inv_freq,
+                             rope_amplitude=amplitude, softmax_scale=softmax_scale, norm_eps=c.norm_eps, **common)
+        self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
+        if moe:
+            self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
+                           mlp_dim=c.moe_mlp_dim, num_shared=c.num_shared_experts, n_groups=c.n_groups,
+                           topk_groups=c.topk_groups, scaling=c.routed_scaling_factor,
+                           capacity_factor=c.capacity_factor, **common)
+        else:
+            self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, **common)
+
+    def __call__(self, x, positions):
+        x = names.tag(x, names.DECODER_LAYER_INPUT)
+        x = x + self.attention(self.attention_norm(x), positions)
+        if isinstance(self.mlp, MoE):
+            out, stats = self.mlp(self.mlp_norm(x))
+            return x + out, stats
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DeepSeek(nnx.Module):
+    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs):
+        pdt = jnp.dtype(c.param_dtype)
+        self.config = c
+        self.params_on_host = params_on_host
+        self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())
+        self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), pdt, c.init_std)
+        if c.first_k_dense:
+            self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r), c.first_k_dense, rngs)
+        if c.num_moe_layers:
+            self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r), c.num_moe_layers, rngs)
+        self.final_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
+        if not c.tie_embeddings:
+            self.unembed = param(rngs, (c.emb_dim, c.vocab_size), ("embed", "vocab"), pdt, c.init_std)
+
+    def __call__(self, tokens):
+        """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux).
+
+        aux: "aux_loss" (weighted sequence-wise balance loss), "metrics" (expert-load statistics) and
+        "model_state" (the router biases after this step's auxiliary-loss-free update)."""
+        c = self.config
+        cdt = jnp.dtype(c.compute_dtype)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        host = self.params_on_host
+        embed = to_device(self.embed[...], host)
+        x = constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED)
+        if c.first_k_dense:
+            x = run_layers(self.dense_layers, x, positions, self.dense_segments, c.scan_layers, host)
+        aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
+        if c.num_moe_layers:
+            x, stats = run_layers(self.moe_layers, x, positions, self.moe_segments, c.scan_layers, host,
+                                  with_outputs=True)
+            aux = self._moe_aux(stats)
+        x = on_device(self.final_norm, host)(x)
+        unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
+        logits = jnp.einsum("ble,ev->blv", x, unembed.astype(cdt), preferred_element_type=jnp.float32)
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab")), aux
+
+    def _moe_aux(self, stats):
+        """Balance loss, the biases' update and expert-load metrics from the MoE layers' statistics
+        (each [moe layers, ...]). max_load = busiest expert's choices / mean choices per expert."""
+        c = self.config
+        load = stats["load"]
+        bias = jax.lax.stop_gradient(updated_bias(self.moe_layers.mlp.router_bias[...], load,
+                                                  c.router_bias_update_rate))
+        max_load = load.max(-1) / load.mean(-1)
+        bias_range = bias.max(-1) - bias.min(-1)
+        dropped = stats["dropped"] / load.sum(-1)
+        metrics = {"moe/max_load": max_load.max(), "moe/mean_max_load": max_load.mean(),
+                   "moe/mean_bias_range": bias_range.mean()}
+        if c.capacity_factor:
+            metrics["moe/dropped_fraction"] = stats["dropped"].sum() / load.sum()
+        if c.seq_balance_loss_weight:
+            metrics["moe/balance_loss"] = stats["balance"].mean()
+        if c.num_moe_layers <= PER_LAYER_METRICS_UP_TO:
+            for i, layer in enumerate(range(c.first_k_dense, c.num_layers)):
+                metrics[f"moe/max_load_layer{layer}"] = max_load[i]
+                metrics[f"moe/bias_range_layer{layer}"] = bias_range[i]
+                if c.capacity_factor:
+                    metrics[f"moe/dropped_fraction_layer{layer}"] = dropped[i]
+        # the same structure as the model's non-Param variables (TrainSetup's model_state)
+        model_state = jax.tree.map(lambda _: bias, nnx.to_pure_dict(nnx.state(self, RouterBias)))
+        return {"aux_loss": c.seq_balance_loss_weight * stats["balance"].sum(), "metrics": metrics,
+                "model_state": model_state}

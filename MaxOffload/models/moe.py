@@ -1,0 +1,256 @@
+"""DeepSeekMoE: sigmoid router with auxiliary-loss-free balancing, group-limited top-k routing,
+routed experts (dropless or with a capacity factor), a shared expert, and expert parallelism.
+
+One MoE layer, x: [batch, length, emb]:
+    route     scores = sigmoid(x @ w_router); the experts are chosen on scores + bias (group-limited
+              top-k); gates = the chosen experts' unbiased scores, normalised, x routed_scaling_factor
+    dispatch  every (token, choice) gets a row of an expert-sorted buffer: dropless = sorted by expert,
+              ragged groups; capacity = `capacity` slots per expert and sequence, later tokens dropped
+    experts   three grouped matmuls over the rows (jax.lax.ragged_dot): moe_mlpwi_0/1, moe_mlpwo
+    combine   out[token] = sum over its choices of gate * expert output
+    + the shared expert, a SwiGLU every token passes through (tagged mlpwi_0/1, mlpwo like a dense MLP)
+
+Expert parallelism: expert weights are sharded over the `exp` logical axis (mesh axis `expert`),
+tokens over the batch axes, which include `expert`. The exchange is an all-gather of the tokens over
+`expert`, each device running its own experts on the rows routed to them, and a reduce-scatter of the
+combined outputs back to the tokens' owners (inside jax.shard_map; the matmuls' outputs are tagged
+between shard_maps, so remat/offload policies and offload/inspect.py see them as ordinary arrays).
+Why not all-to-all: a ragged all-to-all is what a GPU wants but XLA:CPU cannot run it (untestable
+here); an all-to-all on capacity-padded buffers drops tokens or pads to the worst case, while DeepSeek-V3
+trains dropless. With top-8 of 256 experts on 8 expert ranks a token's choices reach ~5 of the 8 ranks
+anyway, so the all-gather sends each token to 7 remote ranks where an all-to-all would send ~4.6 copies:
+the same order of traffic, no drops, exactly the single-device result. Its costs: the gathered
+tokens and a rows buffer sized for the worst case (expert ranks x local tokens x top_k rows).
+FSDP combines freely: the weights enter the shard_map gathered over fsdp (the usual FSDP all-gather)
+and their gradients leave reduce-scattered; `moe_mlp` over `tensor` splits every expert's hidden units.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, SwiGLU, param
+from MaxOffload.offload import names
+from MaxOffload.parallel import logical
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert selection bias: model state the model updates itself, not an optimizer Param."""
+
+
+# --------------------------------------------------------------------------------------------
+# routing
+
+
+def group_limited_top_k(biased, top_k, n_groups, topk_groups):
+    """Indices [..., top_k] of the best experts by `biased`, among the experts of the `topk_groups`
+    groups ranked highest by the sum of their two best scores (DeepSeek-V3's node-limited routing)."""
+    if n_groups > 1:
+        grouped = biased.reshape(*biased.shape[:-1], n_groups, -1)
+        group_score = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)
+        kept = jax.nn.one_hot(jax.lax.top_k(group_score, topk_groups)[1], n_groups).sum(-2) > 0
+        biased = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(biased.shape)
+    return jax.lax.top_k(biased, top_k)[1]
+
+
+def route(x, w_router, bias, *, top_k, n_groups, topk_groups, scaling):
+    """(experts [b, l, k] int32, gates [b, l, k] float32, scores [b, l, E] float32).
+
+    The bias changes which experts are chosen, never the gate weights or the gradient."""
+    scores = jax.nn.sigmoid(jnp.einsum("ble,en->bln", x.astype(jnp.float32), w_router.astype(jnp.float32)))
+    experts = group_limited_top_k(scores + jax.lax.stop_gradient(bias), top_k, n_groups, topk_groups)
+    chosen = jnp.take_along_axis(scores, experts, axis=-1)
+    return experts, chosen / (chosen.sum(-1, keepdims=True) + 1e-20) * scaling, scores
+
+
+def updated_bias(bias, load, rate):
+    """Auxiliary-loss-free balancing: bias += rate * sign(mean load - load), per expert (last axis)."""
+    return bias + rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)
+
+
+def sequence_balance_loss(scores, experts):
+    """DeepSeek-V3's sequence-wise balance loss before its weight alpha: the mean over sequences of
+    sum_i f_i P_i, f_i = E / (k L) * (tokens choosing expert i), P_i = mean_t s_i,t / sum_j s_j,t."""
+    _, length, num_experts = scores.shape
+    chosen = jax.nn.one_hot(experts, num_experts).sum((1, 2))  # [b, E]
+    f = chosen * num_experts / (experts.shape[-1] * length)
+    p = (scores / scores.sum(-1, keepdims=True)).mean(1)
+    return jnp.mean(jnp.sum(f * p, -1))
+
+
+def capacity_positions(experts, num_experts):
+    """Each choice's place in its expert's queue within its sequence (token order, then choice order)."""
+    b, length, k = experts.shape
+    one_hot = jax.nn.one_hot(experts.reshape(b, length * k), num_experts, dtype=jnp.int32)
+    before = jnp.cumsum(one_hot, axis=1) - one_hot
+    return jnp.sum(before * one_hot, -1).reshape(b, length, k)
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch -> grouped matmuls -> combine, for the experts held locally
+
+
+def dispatch(x, experts, positions, *, first_expert, num_local, capacity):
+    """Rows for the local experts [first_expert, first_expert + num_local).
+
+    x [b, l, emb]; experts, positions [b, l, k]. Returns (rows [R, emb] sorted by expert, row [b*l*k]
+    of every choice (R where the choice is not here: another device's expert, or dropped), group
+    sizes [num_local]). capacity=0: dropless, R = b*l*k (the worst case). capacity>0: `capacity` rows
+    per local expert and sequence, R = num_local * b * capacity; choices past the capacity are dropped.
+    """
+    b, length, k = experts.shape
+    token = jnp.arange(b * length * k) // k
+    local = experts.reshape(-1) - first_expert
+    here = (local >= 0) & (local < num_local)
+    if capacity:
+        positions = positions.reshape(-1)
+        here &= positions < capacity
+        num_rows = num_local * b * capacity
+        row = (local * b + token // length) * capacity + positions
+        sizes = jnp.full((num_local,), b * capacity, jnp.int32)
+    else:
+        num_rows = b * length * k
+        key = jnp.where(here, local, num_local)  # not here: after every local group
+        row = jnp.argsort(jnp.argsort(key, stable=True))  # rank of each choice in expert order
+        sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    row = jnp.where(here, row, num_rows)
+    token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row].set(token, mode="drop")
+    filled = jnp.zeros((num_rows,), bool).at[row].set(True, mode="drop")
+    rows = jnp.where(filled[:, None], x.reshape(-1, x.shape[-1])[token_of_row], 0)
+    return rows, row, sizes
+
+
+def combine(y_rows, row, gates):
+    """[b, l, emb] float32: per token, the gate-weighted sum of its choices' expert outputs."""
+    b, length, k = gates.shape
+    picked = jnp.take(y_rows, row, axis=0, mode="fill", fill_value=0).reshape(b, length, k, -1)
+    return jnp.einsum("blkd,blk->bld", picked.astype(jnp.float32), gates)
+
+
+def _spec(*dims):
+    """PartitionSpec from per-dimension tuples of mesh axes."""
+    return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
+
+
+def _axes(entry):
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+class ExpertParallel:
+    """The dispatch / grouped matmul / combine steps, run per device under the active mesh (see the
+    module docstring), or directly when no mesh is active (every expert local)."""
+
+    def __init__(self, num_experts, capacity):
+        self.num_experts, self.capacity = num_experts, capacity
+        active = logical.active()
+        self.mesh = active[0] if active else None
+        if self.mesh is None:  # specs unused
+            self.ep, self.mlp, self.rows, self.tokens, self.gather, self.num_local = (), (), (), None, False, num_experts
+            return
+        mesh, rules = active
+        spec = lambda axes: logical.partition_spec(axes, rules, mesh.axis_names)  # noqa: E731
+        batch, length, _ = (_axes(e) for e in spec(BATCH_LENGTH_EMBED))
+        length = () if capacity else length  # capacity is per whole sequence
+        self.ep = _axes(spec(("exp",))[0])
+        self.mlp = _axes(spec(("moe_mlp",))[0])
+        self.gather = bool(self.ep) and set(self.ep) <= set(batch)  # else tokens are replicated over ep
+        if self.ep and not self.gather and set(self.ep) & set(batch + length):
+            raise ValueError(f"experts sharded over {self.ep} must shard the batch over all or none of them")
+        self.tokens = _spec(batch, length, ())
+        self.rows = batch + length + (() if self.gather else self.ep)
+        self.num_local = num_experts // math.prod(mesh.shape[a] for a in self.ep)
+
+    def _run(self, fn, in_specs, out_specs, *args):
+        if self.mesh is None:
+            return fn(*args)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+    def dispatch(self, x, experts, positions):
+        def local(x, experts, positions):
+            first = 0
+            if self.ep:
+                first = jax.lax.axis_index(self.ep) * self.num_local
+            if self.gather:
+                x, experts, positions = (jax.lax.all_gather(a, self.ep, tiled=True) for a in (x, experts, positions))
+            return dispatch(x, experts, positions, first_expert=first, num_local=self.num_local,
+                            capacity=self.capacity)
+
+        if positions is None:
+            positions = jnp.zeros_like(experts)
+        rows = _spec(self.rows)
+        return self._run(local, (self.tokens,) * 3, (_spec(self.rows, ()), rows, rows), x, experts, positions)
+
+    def matmul_in(self, rows, w, sizes):
+        """rows [R, emb] x w [E, emb, mlp] -> [R, mlp]."""
+        return self._run(jax.lax.ragged_dot, (_spec(self.rows, ()), _spec(self.ep, (), self.mlp), _spec(self.rows)),
+                         _spec(self.rows, self.mlp), rows, w, sizes)
+
+    def matmul_out(self, h, w, sizes):
+        """h [R, mlp] x w [E, mlp, emb] -> [R, emb], summed over the mlp shards."""
+        def local(h, w, sizes):
+            out = jax.lax.ragged_dot(h, w, sizes)
+            return jax.lax.psum(out, self.mlp) if self.mlp else out
+
+        return self._run(local, (_spec(self.rows, self.mlp), _spec(self.ep, self.mlp, ()), _spec(self.rows)),
+                         _spec(self.rows, ()), h, w, sizes)
+
+    def combine(self, y_rows, row, gates):
+        def local(y_rows, row, gates):
+            if self.gather:
+                gates = jax.lax.all_gather(gates, self.ep, tiled=True)
+            out = combine(y_rows, row, gates)
+            if self.gather:
+                return jax.lax.psum_scatter(out, self.ep, scatter_dimension=0, tiled=True)
+            return jax.lax.psum(out, self.ep) if self.ep else out
+
+        return self._run(local, (_spec(self.rows, ()), _spec(self.rows), self.tokens), self.tokens, y_rows, row, gates)
+
+
+def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity):
+    """sum over each token's chosen experts of gate * SwiGLU_expert(x) -> [b, l, emb] float32."""
+    ep = ExpertParallel(wi_0.shape[0], capacity)
+    rows, row, sizes = ep.dispatch(x, experts, positions)
+    gate = names.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
+    up = names.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
+    out = names.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)
+    return ep.combine(out, row, gates)
+
+
+# --------------------------------------------------------------------------------------------
+# the layer
+
+
+class MoE(nnx.Module):
+    """Routed experts + shared expert(s). Returns (out, stats) with per-step statistics:
+    load [E] (choices per expert), dropped (choices over capacity), balance (sequence-wise loss)."""
+
+    def __init__(self, *, emb_dim, num_experts, top_k, mlp_dim, num_shared, n_groups, topk_groups, scaling,
+                 capacity_factor, param_dtype, compute_dtype, init_std, rngs):
+        self.top_k, self.n_groups, self.topk_groups, self.scaling = top_k, n_groups, topk_groups, scaling
+        self.capacity_factor, self.compute_dtype = capacity_factor, compute_dtype
+        self.router = param(rngs, (emb_dim, num_experts), ("embed", None), param_dtype, init_std)
+        self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32))
+        self.wi_0 = param(rngs, (num_experts, emb_dim, mlp_dim), ("exp", "embed", "moe_mlp"), param_dtype, init_std)
+        self.wi_1 = param(rngs, (num_experts, emb_dim, mlp_dim), ("exp", "embed", "moe_mlp"), param_dtype, init_std)
+        self.wo = param(rngs, (num_experts, mlp_dim, emb_dim), ("exp", "moe_mlp", "embed"), param_dtype, init_std)
+        # n shared experts of width mlp_dim are one SwiGLU of width n * mlp_dim
+        self.shared = SwiGLU(emb_dim=emb_dim, mlp_dim=num_shared * mlp_dim, param_dtype=param_dtype,
+                             compute_dtype=compute_dtype, init_std=init_std, rngs=rngs) if num_shared else None
+
+    def __call__(self, x):
+        cdt, num_experts = self.compute_dtype, self.wi_0.shape[0]
+        _, length, _ = x.shape
+        experts, gates, scores = route(x, self.router[...], self.router_bias[...], top_k=self.top_k,
+                                       n_groups=self.n_groups, topk_groups=self.topk_groups, scaling=self.scaling)
+        capacity = math.ceil(self.capacity_factor * length * self.top_k / num_experts)
+        positions = capacity_positions(experts, num_experts) if capacity else None
+        out = routed_experts(x, experts, gates, positions, self.wi_0[...].astype(cdt), self.wi_1[...].astype(cdt),
+                             self.wo[...].astype(cdt), capacity).astype(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        stats = {"load": jax.nn.one_hot(experts, num_experts).sum((0, 1, 2)),
+                 "dropped": jnp.sum(positions >= capacity).astype(jnp.float32) if capacity else jnp.zeros(()),
+                 "balance": sequence_balance_loss(scores, experts)}
+        return logical.constrain(out, BATCH_LENGTH_EMBED), stats

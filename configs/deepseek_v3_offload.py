@@ -1,0 +1,36 @@
+"""DeepSeek-V3 with activation host offloading (the JAX-Toolbox recipe):
+configs/deepseek_v3_offload.py:671b | :tiny | :small.
+
+In the MoE layers the routed experts' input projections (moe_mlpwi_0/1) go to pinned host memory,
+the query/key/value projections are recomputed and every other tagged activation stays in HBM.
+The dense layers (the first 3) get the same settings without the routed-expert names, which
+they do not have.
+
+671b mesh: FSDP16 x EP8 on 128 GPUs: mesh.ici.expert=8 and mesh.ici.fsdp=-1 (the remaining 16). The
+batch is sharded over data x fsdp x expert = all 128 devices; the 256 routed experts are split 8 ways
+(32 per device) over `expert`, and every weight's `embed` dimension 16 ways over `fsdp`. For 128
+GPUs in two NVLink domains keep the expert exchange inside a domain: mesh.dcn.fsdp=2 mesh.ici.fsdp=8.
+"""
+import os
+
+from MaxOffload.config.defaults import add_layer_group
+from MaxOffload.config.loader import load_file
+
+REMAT = ("query_proj", "key_proj", "value_proj")
+DEVICE = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1",
+          "mlpwo")
+
+
+def get_config(size="671b"):
+    cfg = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"deepseek_v3.py:{size}"))
+    cfg.run.output_dir = f"runs/deepseek_v3_{size}_offload"
+    cfg.remat.policy = "custom"
+    for name in REMAT:
+        cfg.remat.tensors[name] = "remat"
+    for name in DEVICE:
+        cfg.remat.tensors[name] = "device"
+    add_layer_group(cfg, "moe", layers="moe", moe_mlpwi_0="offload", moe_mlpwi_1="offload", moe_mlpwo="device")
+    if size == "671b":
+        cfg.mesh.ici.expert = 8
+        cfg.mesh.ici.fsdp = -1
+    return cfg
