@@ -31,7 +31,7 @@ class MetricsLogger:
         self.stream = stream if enabled else open(os.devnull, "w")
         path = os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull
         kept = _lines_up_to(path, resume_from) if resume_from and enabled else []
-        self.jsonl = open(path, "w")
+        self.jsonl = open(path, "w", buffering=1)  # line-buffered: a killed run keeps its lines
         self.jsonl.writelines(kept)
         self.tensorboard = EventFileWriter(os.path.join(output_dir, "tensorboard")) if enabled else None
         self.started = time.perf_counter()

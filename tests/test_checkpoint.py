@@ -1,0 +1,166 @@
+"""Never lose a run: exact resume, preemption, kill -9 during an async save, resharding restore,
+corrupted checkpoints, host-offloaded state, non-finite steps."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+TINY = ["configs/llama3_1.py:tiny", "train.seq_len=32", "train.per_device_batch_size=2", "train.warmup_steps=2",
+        "train.eval_every=0", "model.compute_dtype=float32", "run.log_every=1"]
+
+
+def losses(out):
+    by_step = {}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "loss" in row:
+                assert row["step"] not in by_step, f"step {row['step']} logged twice"
+                by_step[row["step"]] = row["loss"]
+    return by_step
+
+
+def start(args, env=None):
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **(env or {})))
+
+
+def wait_for_step(proc, step, lines):
+    """Reads the progress lines until `step` is reported."""
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
+            return
+    raise AssertionError("the run ended before step %d:\n%s" % (step, "".join(lines)))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    result = run_cli(["train.py", *TINY, "train.steps=40", f"run.output_dir={out}"])
+    assert result.returncode == 0, result.stderr
+    return losses(out)
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["device_state", "host_offloaded_state"])
+def test_sigterm_saves_and_resume_is_bit_identical(tmp_path, uninterrupted, offloaded):
+    extra = ["offload.params=true", "offload.optimizer_state=true"] if offloaded else []
+    args = [*TINY, *extra, "train.steps=40", f"run.output_dir={tmp_path}", "checkpoint.every_steps=10"]
+    proc, lines = start(args), []
+    wait_for_step(proc, 15, lines)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 42, "".join(lines) + rest
+    saved = int(rest.split("saved step ")[1].split(";")[0])
+    assert 15 <= saved < 40 and str(saved) in os.listdir(tmp_path / "checkpoints")
+    result = run_cli(["train.py", *args])
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {tmp_path / 'checkpoints'}/{saved} (step {saved})" in result.stdout
+    assert f"training steps {saved + 1}-40" in result.stdout
+    assert losses(tmp_path) == uninterrupted  # bit-identical, every step exactly once
+
+
+def test_kill_9_during_async_saves_leaves_a_usable_checkpoint(tmp_path, uninterrupted):
+    args = [*TINY, "train.steps=40", f"run.output_dir={tmp_path}", "checkpoint.every_steps=1", "checkpoint.keep=2"]
+    proc, lines = start(args), []
+    wait_for_step(proc, 12, lines)
+    proc.kill()  # SIGKILL while a checkpoint is being written asynchronously every step
+    proc.communicate(timeout=60)
+    result = run_cli(["train.py", *args])
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout
+    assert losses(tmp_path) == uninterrupted
+
+
+def test_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path):
+    args = [*TINY, "train.steps=6", f"run.output_dir={tmp_path}"]
+    assert run_cli(["train.py", *args]).returncode == 0
+    # what an interrupted save leaves behind: a temporary directory that was never renamed
+    os.makedirs(tmp_path / "checkpoints" / "9.orbax-checkpoint-tmp-1234567890")
+    result = run_cli(["train.py", *TINY, "train.steps=8", f"run.output_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr
+    assert "skipping incomplete checkpoint" in result.stderr and "9.orbax-checkpoint-tmp" in result.stderr
+    assert "resumed from" in result.stdout and "(step 6)" in result.stdout
+
+
+def _corrupt(step_dir):
+    """Truncates every array data file of a checkpoint."""
+    hit = 0
+    for root, _, files in os.walk(step_dir / "state"):
+        for name in files:
+            if "_METADATA" not in name and not name.endswith(".json") and name != "manifest.ocdbt":
+                with open(os.path.join(root, name), "wb"):
+                    hit += 1
+    assert hit
+    return step_dir
+
+
+def test_corrupted_checkpoint_is_one_line_and_fallback_uses_the_previous(tmp_path):
+    args = [*TINY, "train.steps=8", f"run.output_dir={tmp_path}", "checkpoint.every_steps=4"]
+    assert run_cli(["train.py", *args]).returncode == 0
+    assert sorted(os.listdir(tmp_path / "checkpoints"), key=str) == ["4", "8"]
+    _corrupt(tmp_path / "checkpoints" / "8")
+    later = [*TINY, "train.steps=10", f"run.output_dir={tmp_path}", "checkpoint.every_steps=4"]
+    result = run_cli(["train.py", *later])
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert str(tmp_path / "checkpoints" / "8") in lines[0] and "fallback_to_previous" in lines[0]
+    result = run_cli(["train.py", *later, "checkpoint.fallback_to_previous=true"])
+    assert result.returncode == 0, result.stderr
+    assert "falling back to step 4" in result.stderr and "(step 4)" in result.stdout
+
+
+def test_restore_on_a_different_mesh_gives_identical_parameters(tmp_path):
+    base = [*TINY, "train.steps=3", f"run.output_dir={tmp_path}"]
+    eight = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    four = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert run_cli(["train.py", *base, "mesh.ici.fsdp=8", "train.per_device_batch_size=1"], env=eight).returncode == 0
+    digest = os.path.join(ROOT, "tests", "helpers", "checkpoint_digest.py")
+    saved = run_cli([digest, *base, "mesh.ici.fsdp=8", "train.per_device_batch_size=1"], env=eight)
+    moved = run_cli([digest, *base, "mesh.ici.data=4", "mesh.ici.fsdp=1", "train.per_device_batch_size=2"], env=four)
+    assert saved.returncode == 0 and moved.returncode == 0, saved.stderr + moved.stderr
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (saved, moved))
+    assert a["mesh"]["fsdp"] == 8 and b["mesh"]["data"] == 4 and a["step"] == b["step"] == 3
+    assert a["embed_shard_shape"] == [512, 64 // 8] and b["embed_shard_shape"] == [512, 64]  # another layout
+    assert a["digest"] == b["digest"]
+
+
+def test_load_params_from_another_run(tmp_path):
+    source, target = tmp_path / "source", tmp_path / "target"
+    assert run_cli(["train.py", *TINY, "train.steps=30", f"run.output_dir={source}"]).returncode == 0
+    result = run_cli(["train.py", *TINY, "train.steps=3", f"run.output_dir={target}",
+                      f"checkpoint.load_params_from={source}"])
+    assert result.returncode == 0, result.stderr
+    assert "parameters loaded from" in result.stdout and "(step 30)" in result.stdout
+    assert losses(target)[1] < losses(source)[1] - 0.5  # starts from trained weights, not from scratch
+    bad = run_cli(["train.py", *TINY, f"run.output_dir={tmp_path / 'x'}", f"checkpoint.load_params_from={tmp_path}"])
+    assert bad.returncode == 2 and "no checkpoint there" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_non_finite_steps(tmp_path, mode):
+    # an absurd learning rate overflows the weights within a few steps
+    args = [*TINY, "train.steps=12", "train.learning_rate=1e30", "train.grad_clip_norm=0", "train.warmup_steps=1",
+            f"train.on_nonfinite={mode}", f"run.output_dir={tmp_path}"]
+    result = run_cli(["train.py", *args])
+    logged = losses(tmp_path)
+    if mode == "stop":
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stderr.strip().startswith("error: step") and "non-finite" in result.stderr
+        bad = max(logged)
+        assert len(os.listdir(tmp_path / "checkpoints")) == 1
+        with open(tmp_path / "metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        assert rows[-1]["nonfinite"] == 1.0 and all(r["nonfinite"] == 0.0 for r in rows[:-1]), bad
+    else:
+        assert result.returncode == 0, result.stderr
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["skipped_steps"] >= 1 and "update skipped" in result.stdout
+        assert len(logged) == 12
