@@ -5,6 +5,7 @@ Examples:
   python train.py configs/llama3_1.py:405b run.dry_run=true
   python train.py configs/quickstart.py train.steps=50 --config.model.num_layers=2
 """
+import os
 import sys
 
 
@@ -18,6 +19,9 @@ def print_help():
 
 
 def main(argv):
+    from MaxOffload.platform import prefer_cpu_without_gpu
+
+    prefer_cpu_without_gpu()
     if argv and argv[0] in ("-h", "--help"):
         print_help()
         return 0
@@ -27,6 +31,11 @@ def main(argv):
 
     try:
         cfg = load(argv)
+        from MaxOffload import xla
+
+        flags = xla.apply(cfg)  # before JAX's backend starts
+        if flags and os.environ.get("SLURM_PROCID", "0") == "0":
+            print(f"xla.preset={cfg.xla.preset}: XLA_FLAGS += {' '.join(flags)}", flush=True)
         from MaxOffload.train.trainer import run
 
         return run(cfg)

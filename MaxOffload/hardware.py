@@ -1,27 +1,46 @@
-"""Accelerator facts (vendor figures; see the docs for sources): the one table for MFU and, later,
-the deviceless compile and the planner."""
+"""Accelerator facts: the one table behind MFU, the deviceless GPU compile (its XLA target config
+is generated here) and later the planner.
+
+Sources: vendor datasheets for HBM, bandwidth, peak and host link; XLA's published GPU target
+specs for the H100 and GB200 compiler fields (SMs, L2, clock, memory size). Other GPUs' compiler
+fields are marked `derived` below: taken from the nearest published spec with the vendor's SM
+count and memory size — good enough for memory planning, not for kernel timing.
+"""
 import dataclasses
+
+GB = 10**9
 
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
     name: str
-    hbm_bytes: int
+    hbm_bytes: int  # what XLA sees as device memory
     hbm_bandwidth: float  # bytes/s
     bf16_peak_flops: float  # dense, per device
-    host_link_bandwidth: float  # bytes/s per direction
+    host_link_bandwidth: float  # bytes/s per direction, device <-> host
     host_link: str
     gpus_per_node: int
+    host_ram_per_gpu: int  # bytes of CPU memory per GPU (pinned-host budget)
+    sm_count: int
+    l2_cache_bytes: int
+    clock_ghz: float
+    compute_capability: tuple
+    derived: bool = False  # compiler fields not from a published XLA spec
 
 
-GB = 10**9
 ACCELERATORS = {
-    "h100": Accelerator("H100 SXM", 80 * GB, 3.35e12, 989e12, 64 * GB, "PCIe Gen5 x16", 8),
-    "h200": Accelerator("H200 SXM", 141 * GB, 4.8e12, 989e12, 64 * GB, "PCIe Gen5 x16", 8),
-    "gh200": Accelerator("GH200", 96 * GB, 4.0e12, 989e12, 450 * GB, "NVLink-C2C", 1),
-    "b200": Accelerator("B200", 180 * GB, 8.0e12, 2.25e15, 64 * GB, "PCIe Gen6 x16", 8),
-    "gb200": Accelerator("GB200 (NVL72)", 186 * GB, 8.0e12, 2.5e15, 450 * GB, "NVLink-C2C", 4),
-    "gb300": Accelerator("GB300 (NVL72)", 288 * GB, 8.0e12, 2.5e15, 450 * GB, "NVLink-C2C", 4),
+    "h100": Accelerator("NVIDIA H100 80GB HBM3", 84_942_979_072, 3.352e12, 989e12, 64 * GB, "PCIe Gen5 x16", 8,
+                        2048 * GB // 8, 132, 52_428_800, 1.98, (9, 0)),
+    "h200": Accelerator("NVIDIA H200", 150_754_820_096, 4.8e12, 989e12, 64 * GB, "PCIe Gen5 x16", 8,
+                        2048 * GB // 8, 132, 52_428_800, 1.98, (9, 0), derived=True),
+    "gh200": Accelerator("NVIDIA GH200 480GB", 102_005_473_280, 4.0e12, 989e12, 450 * GB, "NVLink-C2C", 1,
+                         480 * GB, 132, 52_428_800, 1.98, (9, 0), derived=True),
+    "b200": Accelerator("NVIDIA B200", 191_514_411_008, 8.0e12, 2.25e15, 64 * GB, "PCIe Gen6 x16", 8,
+                        4096 * GB // 8, 148, 132_120_576, 1.965, (10, 0), derived=True),
+    "gb200": Accelerator("NVIDIA GB200", 197_897_748_480, 7.928e12, 2.5e15, 450 * GB, "NVLink-C2C", 4,
+                         480 * GB // 2, 152, 135_528_448, 2.062, (10, 0)),
+    "gb300": Accelerator("NVIDIA GB300", 300_647_710_720, 8.0e12, 2.5e15, 450 * GB, "NVLink-C2C", 4,
+                         480 * GB // 2, 160, 135_528_448, 2.032, (10, 3), derived=True),
 }
 
 
@@ -32,3 +51,32 @@ def lookup(device_kind):
         if key in kind:
             return ACCELERATORS[key]
     return None
+
+
+def xla_target_config(a):
+    """The GpuTargetConfigProto (text format) for a deviceless compile on accelerator `a`."""
+    major, minor = a.compute_capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {a.sm_count}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(a.hbm_bandwidth)}
+  l2_cache_size: {a.l2_cache_bytes}
+  clock_rate_ghz: {a.clock_ghz}
+  device_memory_size: {a.hbm_bytes}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+device_description_str: "{a.name}"
+"""

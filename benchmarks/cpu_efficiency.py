@@ -13,6 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
+    from MaxOffload.platform import prefer_cpu_without_gpu
+
+    prefer_cpu_without_gpu()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", default="configs/quickstart.py")
     parser.add_argument("overrides", nargs="*")

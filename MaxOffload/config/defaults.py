@@ -121,6 +121,18 @@ SCHEMA = {
         "initialization_timeout_s": (300, "give up (with a message) if the processes have not met by then"),
         "heartbeat_timeout_s": (100, "a peer silent this long is dead: the job ends with a message, no hang"),
     },
+    "xla": {
+        "preset": ("baseline", "XLA scheduling preset for GPU runs: baseline | lhs (latency hiding scheduler) | "
+                               "lhs_pipelined (+ collective pipelining, loop double buffering) | "
+                               "lhs_pipelined_offload (+ pipelined host offloading); see MaxOffload/xla.py"),
+        "extra_flags": ([], "more XLA_FLAGS, e.g. [--xla_gpu_enable_command_buffer=]; checked against jaxlib"),
+    },
+    "aot": {
+        "target": ("gb200", "GPU for the deviceless compile (python -m MaxOffload.aot): a key of "
+                            "MaxOffload/hardware.py"),
+        "topology": ("1x1x4", "slices x hosts per slice x GPUs per host for the deviceless compile "
+                              "(2 NVL72 racks of 64 GPUs: 2x16x4)"),
+    },
     "launch": {
         "gpus_per_node": (4, "GPUs per node (GB200 NVL72 compute tray: 4); the launcher starts one task per GPU"),
         "nodes_per_slice": (18, "nodes per NVLink domain (NVL72: 18 trays); sets each process's slice for mesh.dcn"),

@@ -1,6 +1,7 @@
 """Checks a whole config before any JAX work; the first problem raises ConfigError."""
 import math
 import os
+import re
 
 from MaxOffload.config import defaults
 from MaxOffload.config.loader import ConfigError, flat_keys, get_path, suggest
@@ -168,6 +169,15 @@ def validate(cfg):
         for mesh_axis in mesh_axes:
             _require(mesh_axis in MESH_AXES, f"mesh.rules.{axis}: {mesh_axis!r} is not a mesh axis "
                                              f"({', '.join(MESH_AXES)}){suggest(str(mesh_axis), MESH_AXES)}")
+    from MaxOffload import hardware, xla
+
+    _choice("xla.preset", cfg.xla.preset, tuple(xla.PRESETS))
+    for flag in cfg.xla.extra_flags:
+        _require(isinstance(flag, str) and re.match(r"^--xla_\w+(=.*)?$", flag),
+                 f"xla.extra_flags: {flag!r} is not an XLA flag; write --xla_name=value")
+    _choice("aot.target", cfg.aot.target, tuple(hardware.ACCELERATORS))
+    _require(re.match(r"^\d+x\d+x\d+$", cfg.aot.topology),
+             f"aot.topology={cfg.aot.topology!r}: write SLICESxHOSTSxGPUS, e.g. 2x16x4")
     for kind in ("ici", "dcn"):
         for axis, size in cfg.mesh[kind].items():
             _require(size == -1 or size >= 1, f"mesh.{kind}.{axis}={size}: give a size >= 1, or -1 for the rest")

@@ -19,7 +19,8 @@ Writes DIR/
                  last entry is num_tokens)
   meta.json      tokenizer (kind, file, sha256), vocab_size, eos_id, dtype, num_tokens, num_documents, the
                  split (train_tokens: tokens.bin[:train_tokens] is for training; held_out_documents: the
-                 numbers of the held-out documents in input order, counting non-empty documents from 0), the source files with sizes and sha256, and the options
+                 numbers of the held-out documents in input order, counting non-empty documents from 0),
+                 the source files with sizes and sha256, and the options
 The held-out documents are a fixed-seed random --eval_fraction of them (at least one), chosen exactly as
 data.source=text chooses them; a single document holds out its tail. meta.json is written last: a
 directory without it is incomplete. A temporary copy of the tokens needs as much disk again while running.
@@ -41,7 +42,7 @@ from MaxOffload.data import tokenizer as tokenizer_lib
 
 TEXT_SUFFIXES, JSONL_SUFFIXES = (".txt",), (".jsonl",)
 READ_CHUNK = 8 << 20  # bytes read at a time from a .txt file
-BATCH_CHARS, BATCH_DOCS = 4 << 20, 2048  # documents handed to the tokenizer at once
+BATCH_CHARS, BATCH_DOCS = 1 << 20, 1024  # documents handed to the tokenizer at once (its threads share them)
 COPY_CHUNK = 16 << 20  # tokens copied at a time into the final layout
 
 
@@ -107,8 +108,11 @@ def _open(path):
 
 
 def _read_txt(source, separator, stats):
+    """The documents of a .txt file: the whole file, or the pieces between separators (read in chunks; linear
+    in the file size however long a document is)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    pending, offset = "", 0
+    keep = len(separator) - 1 if separator else 0  # a separator may straddle two chunks
+    parts, tail, offset = [], "", 0  # the current document: "".join(parts) + tail
     with _open(source.path) as f:
         while True:
             chunk = f.read(READ_CHUNK)
@@ -116,17 +120,25 @@ def _read_txt(source, separator, stats):
             source.bytes_read += len(chunk)
             stats.bytes_read += len(chunk)
             try:
-                pending += decoder.decode(chunk, final=not chunk)
+                new = decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as e:
                 raise PrepareError(f"{source.path} is not UTF-8 text ({e.reason} at byte {offset + e.start}); "
                                    "convert it to UTF-8") from None
             offset += len(chunk)
-            if separator:
-                *done, pending = pending.split(separator)
-                yield from done
+            if not separator:
+                parts.append(new)
+            else:
+                *done, rest = (tail + new).split(separator)
+                if done:
+                    yield "".join(parts) + done[0]
+                    yield from done[1:]
+                    parts = []
+                cut = max(0, len(rest) - keep)
+                parts.append(rest[:cut])
+                tail = rest[cut:]
             if not chunk:
                 break
-    yield pending
+    yield "".join(parts) + tail
 
 
 def _read_jsonl(source, field, stats):
@@ -145,7 +157,8 @@ def _read_jsonl(source, field, stats):
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                raise PrepareError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
+                reason = e.msg.removesuffix(" at")
+                raise PrepareError(f"{where}: not valid JSON ({reason} at column {e.colno}); each line must be one "
                                    "JSON object") from None
             if not isinstance(obj, dict):
                 raise PrepareError(f"{where}: a JSON {type(obj).__name__}, not an object with a {field!r} field")
@@ -153,7 +166,9 @@ def _read_jsonl(source, field, stats):
                 have = ", ".join(map(repr, list(obj)[:8])) or "none"
                 raise PrepareError(f"{where}: no field {field!r} (fields: {have}); choose one with --jsonl_field")
             if not isinstance(obj[field], str):
-                raise PrepareError(f"{where}: field {field!r} is a {type(obj[field]).__name__}, not a string")
+                value = obj[field]
+                raise PrepareError(f"{where}: field {field!r} holds {type(value).__name__} {str(value)[:40]}, "
+                                   "not a string")
             yield obj[field]
 
 

@@ -109,7 +109,9 @@ class HuggingFaceTokenizer(Tokenizer):
         self._base_vocab = base
 
     def _encode(self, texts):
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets we do not use
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def _decode(self, ids):
         return self._tok.decode([i for i in ids if i < self._base_vocab], skip_special_tokens=False)
@@ -131,7 +133,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.path, self.name = path, f"sentencepiece:{os.path.basename(path)}"
         base = self._sp.get_piece_size()
         if eos_token is None and self._sp.eos_id() >= 0:
-            self.eos_id, self.eos_token, self.vocab_size = self._sp.eos_id(), self._sp.id_to_piece(self._sp.eos_id()), base
+            eos = self._sp.eos_id()
+            self.eos_id, self.eos_token, self.vocab_size = eos, self._sp.id_to_piece(eos), base
         else:
             def piece_id(piece):
                 i = self._sp.piece_to_id(piece)

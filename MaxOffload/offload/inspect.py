@@ -137,23 +137,17 @@ def bytes_per_device(aval, name, setup):
     return count * aval.dtype.itemsize
 
 
-def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
-    """The offload report (a dict) for a config; see the module docstring."""
+def activation_groups(cfg, setup):
+    """({segment label: entry}, problems, expected pinned_host placements) read off the step's jaxpr:
+    per layer segment, what became of every tagged activation against what was requested."""
     import jax
 
     from MaxOffload import models
     from MaxOffload.parallel import logical
-    from MaxOffload.parallel.mesh import describe as mesh_describe
-    from MaxOffload.train.step import DEVICE, HOST
 
     with logical.activate(setup.mesh, setup.rules):
         jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     found = classify_residuals(jaxpr)
-    if lowered_text is None:
-        exported = setup.lower_train_step(lambda jitted, *args: jax.export.export(jitted, platforms=["cuda"])(*args))
-        lowered_text = exported.mlir_module()
-    placements = cuda_host_placements(lowered_text)
-
     groups, problems, expected_placements = {}, [], []
     for segment in models.remat_segments(cfg):
         requested = dict(segment.decisions)
@@ -179,6 +173,21 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
                 entry["missing"].append(name)
                 problems.append(f"{segment.label}: {name} requested {want} but the step never tags it")
         groups[segment.label] = entry
+    return groups, problems, expected_placements
+
+
+def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
+    """The offload report (a dict) for a config; see the module docstring."""
+    import jax
+
+    from MaxOffload.parallel.mesh import describe as mesh_describe
+    from MaxOffload.train.step import DEVICE, HOST
+
+    groups, problems, expected_placements = activation_groups(cfg, setup)
+    if lowered_text is None:
+        exported = setup.lower_train_step(lambda jitted, *args: jax.export.export(jitted, platforms=["cuda"])(*args))
+        lowered_text = exported.mlir_module()
+    placements = cuda_host_placements(lowered_text)
     found_placements, wanted = collections.Counter(placements), collections.Counter(expected_placements)
     state_on_host = cfg.offload.params or cfg.offload.optimizer_state
     # host-resident state adds placements of its own (the updated state goes back to the host)
@@ -248,6 +257,9 @@ def format_report(report):
 
 
 def main(argv):
+    from MaxOffload.platform import prefer_cpu_without_gpu
+
+    prefer_cpu_without_gpu()
     from MaxOffload.config import ConfigError, load
     from MaxOffload.train.step import TrainSetup
 

@@ -74,6 +74,9 @@ def format_rows(ref_loss, tolerance, rows):
 
 
 def main(argv):
+    from MaxOffload.platform import prefer_cpu_without_gpu
+
+    prefer_cpu_without_gpu()
     from MaxOffload.config import ConfigError, load
     from MaxOffload.offload.policy import PRESETS
 

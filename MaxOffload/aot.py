@@ -1,0 +1,149 @@
+"""Prove it before launch: compile the real training step for a GPU cluster on a CPU-only machine.
+
+    python -m MaxOffload.aot CONFIG.py[:ARG] [overrides...] [--target gb200] [--topology 2x16x4]
+
+XLA's own GPU compiler (the JAX CUDA plugin, no GPU or driver needed) compiles the same step
+as train.py — same model, policies, mesh and XLA preset — for compile-only devices described
+by MaxOffload/hardware.py, and reports per device: argument bytes (parameters + optimizer
+state + batch), temporaries, output, the HBM total against the device's capacity (with the
+launch.mem_fraction headroom) and a fits / does-not-fit verdict, host bytes (offloaded
+activations and host-resident state), the offloaded tensors and the compile time. Writes
+<run.output_dir>/aot_report.json. Exit status 0 fits, 1 does not fit, 2 bad input.
+"""
+import json
+import os
+import sys
+import time
+
+
+def plugin_missing():
+    """One line saying what to install, or None when the JAX CUDA plugin is present."""
+    import importlib.util
+
+    import jaxlib
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda13") or importlib.util.find_spec("jax_plugins.xla_cuda12"):
+        return None
+    v = jaxlib.__version__
+    return (f"the deviceless GPU compile needs the JAX CUDA plugin matching jaxlib {v}: "
+            f"pip install 'jax-cuda13-plugin=={v}' 'jax-cuda13-pjrt=={v}' (or pip install -e '.[aot]')")
+
+
+def compile_only_devices(target, topology):
+    from jax.experimental import topologies
+
+    from MaxOffload import hardware
+
+    description = topologies.get_topology_desc(platform="cuda", topology_name=f"{target}:{topology}",
+                                               target_config=hardware.xla_target_config(
+                                                   hardware.ACCELERATORS[target]),
+                                               topology=topology)
+    return description.devices
+
+
+def build_report(cfg, target, topology):
+    from MaxOffload import hardware
+    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.parallel.mesh import describe as mesh_describe
+    from MaxOffload.train.step import HOST, TrainSetup
+
+    accelerator = hardware.ACCELERATORS[target]
+    devices = compile_only_devices(target, topology)
+    setup = TrainSetup(cfg, devices)
+    groups, problems, _ = activation_groups(cfg, setup)
+    started = time.perf_counter()
+    compiled = setup.lower_train_step().compile()
+    compile_time = time.perf_counter() - started
+    m = compiled.memory_analysis()
+    hbm = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes + \
+        m.host_temp_size_in_bytes
+    usable = int(accelerator.hbm_bytes * cfg.launch.mem_fraction)
+    return {
+        "target": target, "accelerator": accelerator.name, "topology": topology, "devices": len(devices),
+        "mesh": mesh_describe(setup.mesh), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "params_total": setup.params_total(),
+        "argument_bytes_per_device": m.argument_size_in_bytes, "output_bytes_per_device": m.output_size_in_bytes,
+        "alias_bytes_per_device": m.alias_size_in_bytes, "temp_bytes_per_device": m.temp_size_in_bytes,
+        "state_bytes_per_device": setup.state_bytes_per_device(), "hbm_bytes_per_device": hbm,
+        "hbm_capacity_bytes": accelerator.hbm_bytes, "hbm_usable_bytes": usable,
+        "headroom_bytes": usable - hbm, "fits": hbm <= usable,
+        "host_bytes_per_device": host, "host_temp_bytes_per_device": m.host_temp_size_in_bytes,
+        "host_state_bytes_per_device": setup.state_bytes_per_device(HOST),
+        "host_ram_per_gpu_bytes": accelerator.host_ram_per_gpu,
+        "offloaded": {label: g["offloaded"] for label, g in groups.items()},
+        "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
+        "problems": problems, "compile_time_s": compile_time,
+    }
+
+
+def _gib(n):
+    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def format_report(r):
+    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    lines = [f"{r['params_total'] / 1e9:,.3g}B parameters on {r['devices']} x {r['accelerator']} "
+             f"(topology {r['topology']}, mesh {r['mesh']}); compiled in {r['compile_time_s']:.1f} s",
+             f"HBM per device: arguments {_gib(r['argument_bytes_per_device'])} (params + optimizer state "
+             f"{_gib(r['state_bytes_per_device'] - r['host_state_bytes_per_device'])} on the device) + temporaries "
+             f"{_gib(r['temp_bytes_per_device'])} + outputs {_gib(r['output_bytes_per_device'])} - donated "
+             f"{_gib(r['alias_bytes_per_device'])} = {_gib(r['hbm_bytes_per_device'])}",
+             f"  of {_gib(r['hbm_capacity_bytes'])}, {_gib(r['hbm_usable_bytes'])} usable at launch.mem_fraction: "
+             f"{verdict} (headroom {_gib(r['headroom_bytes'])})",
+             f"pinned host memory per device: {_gib(r['host_bytes_per_device'])} (offloaded activations "
+             f"{_gib(r['host_temp_bytes_per_device'])}, host-resident state {_gib(r['host_state_bytes_per_device'])}) "
+             f"of {_gib(r['host_ram_per_gpu_bytes'])} host RAM per GPU"]
+    for label, names in r["offloaded"].items():
+        lines.append(f"  {label}: offloaded {', '.join(names) or '-'}")
+    if r["problems"]:
+        lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))
+    return "\n".join(lines)
+
+
+def _take_option(argv, name):
+    if name in argv:
+        i = argv.index(name)
+        if i + 1 >= len(argv):
+            raise SystemExit(f"error: {name} needs a value")
+        return argv[i + 1], argv[:i] + argv[i + 2:]
+    for i, arg in enumerate(argv):
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
+def main(argv):
+    os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only GPU devices; no GPU runtime needed
+    from MaxOffload import xla
+    from MaxOffload.config import ConfigError, load
+
+    try:
+        target, argv = _take_option(argv, "--target")
+        topology, argv = _take_option(argv, "--topology")
+        overrides = [f"aot.target={target}"] * bool(target) + [f"aot.topology={topology}"] * bool(topology)
+        cfg = load(argv[:1] + argv[1:] + overrides) if argv else load(argv)
+        missing = plugin_missing()
+        if missing:
+            raise ConfigError(missing)
+        xla.apply(cfg)
+        os.makedirs(cfg.run.output_dir, exist_ok=True)
+        print(f"compiling the training step of {argv[0]} for {cfg.aot.topology} x {cfg.aot.target} "
+              "(deviceless) ...", flush=True)
+        report = build_report(cfg, cfg.aot.target, cfg.aot.topology)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: run.output_dir: {e.strerror}", file=sys.stderr)
+        return 2
+    path = os.path.join(cfg.run.output_dir, "aot_report.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(format_report(report))
+    print(f"wrote {path}")
+    return 0 if report["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,116 @@
+"""XLA scheduling presets -> XLA_FLAGS, checked against the installed jaxlib before the backend starts.
+
+An unknown flag in XLA_FLAGS aborts the process when JAX's backend starts, and XLA renames flags
+between releases (collective pipelining moved from --xla_gpu_enable_pipelined_all_gather=true to
+--xla_gpu_pipeline_all_gather=on). So each preset names features; each feature lists its spellings,
+newest first, and the first one the installed jaxlib accepts is used. Acceptance is tested in a
+subprocess (the only exact test) and cached per jaxlib version.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+from MaxOffload.config.loader import ConfigError
+
+# feature -> spellings, newest first
+FEATURES = {
+    "latency_hiding_scheduler": ["--xla_gpu_enable_latency_hiding_scheduler=true"],
+    "pipeline_all_gather": ["--xla_gpu_pipeline_all_gather=on", "--xla_gpu_enable_pipelined_all_gather=true"],
+    "pipeline_reduce_scatter": ["--xla_gpu_pipeline_reduce_scatter=on",
+                                "--xla_gpu_enable_pipelined_reduce_scatter=true"],
+    "pipeline_all_reduce": ["--xla_gpu_pipeline_all_reduce=on", "--xla_gpu_enable_pipelined_all_reduce=true"],
+    "while_loop_double_buffering": ["--xla_gpu_enable_while_loop_double_buffering=true"],
+    "pipelined_host_offloading": ["--xla_gpu_enable_pipelined_host_offloading=true"],
+}
+
+_PIPELINED = ["latency_hiding_scheduler", "pipeline_all_gather", "pipeline_reduce_scatter", "pipeline_all_reduce",
+              "while_loop_double_buffering"]
+PRESETS = {
+    "baseline": [],
+    "lhs": ["latency_hiding_scheduler"],  # overlap async collectives and host<->device copies with compute
+    "lhs_pipelined": _PIPELINED,  # + move collectives of the next layer into this one's loop iteration
+    "lhs_pipelined_offload": _PIPELINED + ["pipelined_host_offloading"],  # + the same for offload copies
+}
+
+_UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (\S+)")
+
+
+def _cache_path():
+    import jaxlib
+
+    root = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.path.join(root, "maxoffload", f"xla_flags-jaxlib-{jaxlib.__version__}.json")
+
+
+def _load_cache():
+    try:
+        with open(_cache_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(cache):
+    try:
+        os.makedirs(os.path.dirname(_cache_path()), exist_ok=True)
+        with open(_cache_path(), "w") as f:
+            json.dump(cache, f, indent=1, sort_keys=True)
+    except OSError:
+        pass  # a cache only
+
+
+def rejected_flag(flags):
+    """The first flag of `flags` the installed jaxlib rejects, or None (starts a CPU backend in a subprocess)."""
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    if probe.returncode == 0:
+        return None
+    match = _UNKNOWN.search(probe.stderr)
+    return match.group(1) if match else (flags[0] if flags else "?")
+
+
+def accepted(flags):
+    """{flag: bool} — whether the installed jaxlib knows each flag (cached per jaxlib version)."""
+    cache = _load_cache()
+    todo = [f for f in dict.fromkeys(flags) if f not in cache]
+    while todo:
+        bad = rejected_flag(todo)
+        if bad is None:
+            cache.update({f: True for f in todo})
+            break
+        cache[bad] = False
+        todo = [f for f in todo if f != bad]
+    _save_cache(cache)
+    return {f: cache[f] for f in flags}
+
+
+def flags_for(xla_cfg):
+    """The XLA_FLAGS of the configured preset (jaxlib-matched spellings) plus xla.extra_flags."""
+    spellings = [s for feature in PRESETS[xla_cfg.preset] for s in FEATURES[feature]]
+    known = accepted(spellings + list(xla_cfg.extra_flags))
+    flags = []
+    for feature in PRESETS[xla_cfg.preset]:
+        usable = [s for s in FEATURES[feature] if known[s]]
+        if not usable:
+            raise ConfigError(f"xla.preset={xla_cfg.preset}: this jaxlib knows no spelling of {feature} "
+                              f"({' or '.join(FEATURES[feature])}); choose another preset or upgrade jaxlib")
+        flags.append(usable[0])
+    for flag in xla_cfg.extra_flags:
+        if not known[flag]:
+            raise ConfigError(f"xla.extra_flags: {flag} is not a flag of the installed jaxlib; check its spelling "
+                              "(XLA renames flags between releases)")
+        flags.append(flag)
+    return flags
+
+
+def apply(cfg):
+    """Adds the configured flags to XLA_FLAGS; call before JAX's backend starts. Returns the flags."""
+    if cfg.xla.preset == "baseline" and not cfg.xla.extra_flags:
+        return []
+    flags = flags_for(cfg.xla)
+    existing = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(existing + [f for f in flags if f not in existing])
+    return flags

@@ -1,0 +1,129 @@
+"""Deviceless GPU compile (XLA's GPU compiler on this CPU machine) and the XLA presets."""
+import json
+
+import pytest
+
+from conftest import run_cli
+
+TINY = ["configs/llama3_1.py:tiny", "train.seq_len=64", "train.per_device_batch_size=4", "model.num_layers=4"]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """One deviceless compile on 4 GB200s per policy."""
+    out = {}
+    for policy in ("full", "save_all", "minimal_offloaded", "custom"):
+        extra = ["remat.tensors.mlpwi_0=offload", "remat.tensors.query_proj=offload"] if policy == "custom" else []
+        directory = tmp_path_factory.mktemp(policy)
+        result = run_cli(["-m", "MaxOffload.aot", *TINY, f"remat.policy={policy}", *extra, "--target", "gb200",
+                          "--topology", "1x1x4", f"run.output_dir={directory}"])
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "FITS" in result.stdout
+        out[policy] = json.loads((directory / "aot_report.json").read_text())
+    return out
+
+
+def test_report_has_the_promised_fields(reports):
+    r = reports["full"]
+    for key in ("hbm_bytes_per_device", "host_bytes_per_device", "hbm_capacity_bytes", "fits", "temp_bytes_per_device",
+                "argument_bytes_per_device", "compile_time_s", "offloaded"):
+        assert key in r, key
+    assert r["devices"] == 4 and r["accelerator"] == "NVIDIA GB200" and r["fits"] is True
+    assert r["hbm_capacity_bytes"] == 197_897_748_480
+    # arguments hold at least the state (params + Adam moments) of this device
+    assert r["argument_bytes_per_device"] >= r["state_bytes_per_device"] > 0
+
+
+def test_host_bytes_only_when_offloading(reports):
+    assert reports["full"]["host_bytes_per_device"] == 0
+    assert reports["save_all"]["host_bytes_per_device"] == 0
+    assert reports["minimal_offloaded"]["host_bytes_per_device"] > 0
+    assert reports["custom"]["host_bytes_per_device"] > 0
+    # XLA's host buffers hold what the sharding rules predict for the offloaded activations
+    for policy in ("minimal_offloaded", "custom"):
+        r = reports[policy]
+        assert r["host_temp_bytes_per_device"] == pytest.approx(r["offload_bytes_per_device_rules"], rel=0.05)
+
+
+def test_offloading_and_remat_lower_hbm_temporaries_vs_save_all(reports):
+    save_all = reports["save_all"]["temp_bytes_per_device"]
+    assert reports["minimal_offloaded"]["temp_bytes_per_device"] < save_all
+    assert reports["full"]["temp_bytes_per_device"] < save_all
+    assert reports["custom"]["temp_bytes_per_device"] < save_all
+
+
+def test_offloaded_list_matches_the_request(reports):
+    assert reports["custom"]["offloaded"] == {"layers_0_3": ["query_proj", "mlpwi_0"]}
+    assert reports["full"]["offloaded"] == {"layers_0_3": []}
+    assert set(reports["minimal_offloaded"]["offloaded"]["layers_0_3"]) == {
+        "query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1"}
+
+
+def test_does_not_fit_verdict(tmp_path):
+    # the 8B model's state alone (8.03e9 x 12 bytes of fp32 params + Adam = 96 GB) cannot fit one 80 GB H100
+    result = run_cli(["-m", "MaxOffload.aot", "configs/llama3_1.py:8b", "--target", "h100",
+                      "--topology", "1x1x1", "train.seq_len=512", f"run.output_dir={tmp_path}"])
+    report = json.loads((tmp_path / "aot_report.json").read_text())
+    assert report["fits"] is False and report["argument_bytes_per_device"] > 80e9
+    assert result.returncode == 1 and "DOES NOT FIT" in result.stdout
+
+
+def test_presets_give_the_expected_flags():
+    from ml_collections import ConfigDict
+
+    from MaxOffload import xla
+
+    def flags(preset):
+        return xla.flags_for(ConfigDict({"preset": preset, "extra_flags": []}))
+
+    assert flags("baseline") == []
+    assert flags("lhs") == ["--xla_gpu_enable_latency_hiding_scheduler=true"]
+    pipelined = flags("lhs_pipelined")
+    assert len(pipelined) == 5 and pipelined[0] == "--xla_gpu_enable_latency_hiding_scheduler=true"
+    for feature, flag in zip(xla.PRESETS["lhs_pipelined"], pipelined):
+        assert flag in xla.FEATURES[feature]
+    assert flags("lhs_pipelined_offload") == pipelined + ["--xla_gpu_enable_pipelined_host_offloading=true"]
+    # the chosen spellings really start a backend
+    assert xla.rejected_flag(flags("lhs_pipelined_offload")) is None
+    import jaxlib
+
+    if jaxlib.__version__ == "0.10.2":  # this jaxlib predates the enum spellings
+        assert "--xla_gpu_enable_pipelined_all_gather=true" in pipelined
+
+
+def test_unknown_flag_is_rejected_with_one_line(tmp_path):
+    result = run_cli(["train.py", *TINY, "run.dry_run=true", f"run.output_dir={tmp_path}",
+                      "xla.extra_flags=[--xla_gpu_pipeline_everything=on]"])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--xla_gpu_pipeline_everything=on" in lines[0] and "Traceback" not in result.stderr
+    result = run_cli(["train.py", *TINY, "run.dry_run=true", f"run.output_dir={tmp_path}", "xla.preset=lhs_pipelinde"])
+    assert result.returncode == 2 and "did you mean lhs_pipelined" in result.stderr
+
+
+def test_preset_reaches_xla_flags_in_train_py(tmp_path):
+    result = run_cli(["train.py", *TINY, "run.dry_run=true", f"run.output_dir={tmp_path}", "xla.preset=lhs"])
+    assert result.returncode == 0, result.stderr
+    assert "XLA_FLAGS += --xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
+
+
+def test_missing_plugin_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    import jaxlib
+
+    from MaxOffload import aot
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+    message = aot.plugin_missing()
+    assert f"jax-cuda13-plugin=={jaxlib.__version__}" in message and f"jax-cuda13-pjrt=={jaxlib.__version__}" in message
+
+
+def test_target_config_is_generated_from_the_hardware_table():
+    from MaxOffload import hardware
+
+    text = hardware.xla_target_config(hardware.ACCELERATORS["gb200"])
+    assert "core_count: 152" in text and "device_memory_size: 197897748480" in text
+    assert "cuda_compute_capability { major: 10 minor: 0 }" in text
