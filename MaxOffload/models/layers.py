@@ -63,21 +63,36 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, scale=None, chunk=1024):
     """Causal grouped-query attention without repeating k/v.
 
-    q: [b, l, heads, d]; k, v: [b, l, kv_heads, d] with heads a multiple of kv_heads.
-    Softmax in float32. Returns [b, l, heads, d].
+    q: [b, l, heads, d]; k: [b, l, kv_heads, d]; v: [b, l, kv_heads, dv] with heads a multiple of
+    kv_heads. Softmax in float32, scale 1/sqrt(d) unless given. Returns [b, l, heads, dv].
+
+    Sequences longer than `chunk` are processed in query blocks, each recomputed in the backward
+    pass, so the score matrix never exists whole: memory O(chunk x l) per head instead of O(l^2)
+    (at l=8192, 128 heads, the full fp32 scores would be 34 GB per sequence and layer).
     """
     b, length, heads, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads, dv = k.shape[2], v.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     q = q.reshape(b, length, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
-    return out.reshape(b, length, heads, d)
+
+    def block(q_block, first_row):
+        rows = first_row + jnp.arange(q_block.shape[1])
+        scores = jnp.einsum("blkgd,bskd->bkgls", q_block, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(rows[:, None] >= jnp.arange(length)[None, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgls,bskd->blkgd", probs, v)
+
+    if length <= chunk or length % chunk:
+        out = block(q, 0)
+    else:
+        blocks = q.reshape(b, length // chunk, chunk, kv_heads, heads // kv_heads, d).swapaxes(0, 1)
+        starts = jnp.arange(length // chunk) * chunk
+        out = jax.lax.map(lambda args: jax.checkpoint(block)(*args), (blocks, starts))
+        out = out.swapaxes(0, 1).reshape(b, length, kv_heads, heads // kv_heads, dv)
+    return out.reshape(b, length, heads, dv)
 
 
 class Attention(nnx.Module):

@@ -116,6 +116,22 @@ def describe_setup(cfg, setup):
     return summary
 
 
+def compiled_memory(compiled):
+    """XLA's memory analysis of a compiled step, per device: arguments, temporaries, host buffers."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "host_argument_size_in_bytes", "host_output_size_in_bytes", "host_temp_size_in_bytes")
+    return {f: int(getattr(m, f, 0) or 0) for f in fields}
+
+
+def device_peak_bytes():
+    """Peak device memory the runtime reports (GPU), else None (the CPU backend reports none)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
 class Training:
     def __init__(self, cfg, setup, summary, process_index, process_count):
         self.cfg, self.setup, self.summary = cfg, setup, summary
@@ -172,6 +188,7 @@ class Training:
         started = time.perf_counter()
         train_step, self.eval_step = setup.compile_train_step(), setup.compile_eval_step()
         self.summary["compile_time_s"] = time.perf_counter() - started
+        self.summary["compiled_memory"] = compiled_memory(train_step)
         _say(f"compiled in {self.summary['compile_time_s']:.1f} s; training steps {start + 1}-{cfg.train.steps} of "
              f"{self.summary['global_batch']} x {cfg.train.seq_len} tokens")
         self.eval_batches = [setup.put_batch(b) for b in self.data.eval_batches(cfg.train.eval_batches)]
@@ -265,7 +282,8 @@ class Training:
                        train_time_s=time.perf_counter() - self.logger.started, mean_step_time_s=mean("step_time_s"),
                        tokens_per_sec_per_device=mean("tokens_per_sec_per_device"),
                        tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
-                       mfu=mean("mfu") if self.peak else None, skipped_steps=self.skipped, loss_spikes=self.spikes)
+                       mfu=mean("mfu") if self.peak else None, skipped_steps=self.skipped, loss_spikes=self.spikes,
+                       device_peak_bytes=device_peak_bytes())
         if _LEAD[0]:
             _write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         mfu = f"{summary['mfu'] * 100:.1f}%" if self.peak else \
