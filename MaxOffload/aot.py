@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+HOST_USABLE = 0.9  # share of the host RAM per GPU that pinned buffers may take (the OS and the job need the rest)
+
 
 def plugin_missing():
     """One line saying what to install, or None when the JAX CUDA plugin is present."""
@@ -59,6 +61,7 @@ def build_report(cfg, target, topology):
     host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes + \
         m.host_temp_size_in_bytes
     usable = int(accelerator.hbm_bytes * cfg.launch.mem_fraction)
+    host_usable = int(accelerator.host_ram_per_gpu * HOST_USABLE)
     return {
         "target": target, "accelerator": accelerator.name, "topology": topology, "devices": len(devices),
         "mesh": mesh_describe(setup.mesh), "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -67,7 +70,8 @@ def build_report(cfg, target, topology):
         "alias_bytes_per_device": m.alias_size_in_bytes, "temp_bytes_per_device": m.temp_size_in_bytes,
         "state_bytes_per_device": setup.state_bytes_per_device(), "hbm_bytes_per_device": hbm,
         "hbm_capacity_bytes": accelerator.hbm_bytes, "hbm_usable_bytes": usable,
-        "headroom_bytes": usable - hbm, "fits": hbm <= usable,
+        "headroom_bytes": usable - hbm, "hbm_fits": hbm <= usable, "host_usable_bytes": host_usable,
+        "host_fits": host <= host_usable, "fits": hbm <= usable and host <= host_usable,
         "host_bytes_per_device": host, "host_temp_bytes_per_device": m.host_temp_size_in_bytes,
         "host_state_bytes_per_device": setup.state_bytes_per_device(HOST),
         "host_ram_per_gpu_bytes": accelerator.host_ram_per_gpu,
@@ -82,7 +86,7 @@ def _gib(n):
 
 
 def format_report(r):
-    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    verdict = "FITS" if r["hbm_fits"] else "DOES NOT FIT"
     lines = [f"{r['params_total'] / 1e9:,.3g}B parameters on {r['devices']} x {r['accelerator']} "
              f"(topology {r['topology']}, mesh {r['mesh']}); compiled in {r['compile_time_s']:.1f} s",
              f"HBM per device: arguments {_gib(r['argument_bytes_per_device'])} (params + optimizer state "
@@ -93,7 +97,9 @@ def format_report(r):
              f"{verdict} (headroom {_gib(r['headroom_bytes'])})",
              f"pinned host memory per device: {_gib(r['host_bytes_per_device'])} (offloaded activations "
              f"{_gib(r['host_temp_bytes_per_device'])}, host-resident state {_gib(r['host_state_bytes_per_device'])}) "
-             f"of {_gib(r['host_ram_per_gpu_bytes'])} host RAM per GPU"]
+             f"of {_gib(r['host_ram_per_gpu_bytes'])} host RAM per GPU ({_gib(r['host_usable_bytes'])} usable): "
+             f"{'FITS' if r['host_fits'] else 'DOES NOT FIT'}",
+             f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}"]
     for label, names in r["offloaded"].items():
         lines.append(f"  {label}: offloaded {', '.join(names) or '-'}")
     if r["problems"]:

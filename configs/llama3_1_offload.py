@@ -1,9 +1,11 @@
 """Llama 3.1 with activation host offloading: configs/llama3_1_offload.py:8b | :70b | :405b | :tiny | :small.
 
-Every layer offloads its q/k/v and MLP input projections to pinned host memory and keeps the
-attention output projection in HBM. The last two layers keep everything in HBM instead
-(`minimal`): the backward pass starts with them, so there is no forward compute left
-to hide their copies behind.
+Every layer offloads its attention projections (q, k, v and the output projection) to pinned
+host memory and recomputes the MLP, whose inputs are the largest activations (2 x 53248 wide
+at 405B: offloading them too would need ~236 GiB of host memory per GPU at batch 1 x 8192,
+more than a GB200 tray's 224 GiB per GPU — `python -m MaxOffload.aot` says so). The last two
+layers keep everything in HBM instead (`minimal`): the backward pass starts with them, so there
+is no forward compute left to hide their copies behind.
 """
 import os
 
@@ -15,8 +17,8 @@ def get_config(size="8b"):
     cfg = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"llama3_1.py:{size}"))
     cfg.run.output_dir = f"runs/llama3_1_{size}_offload"
     cfg.remat.policy = "custom"
-    for name in ("query_proj", "key_proj", "value_proj", "mlpwi_0", "mlpwi_1"):
+    for name in ("query_proj", "key_proj", "value_proj", "out_proj"):
         cfg.remat.tensors[name] = "offload"
-    cfg.remat.tensors.out_proj = "device"
+    cfg.xla.preset = "lhs_pipelined_offload"
     add_layer_group(cfg, "last_two", layers="-2-", policy="minimal")  # counted from the end: any depth
     return cfg

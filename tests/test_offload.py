@@ -325,8 +325,8 @@ def test_group_report(group_cfg):
     assert report["problems"] == []
 
 
-# The shipped recipe configs/llama3_1_offload.py: q/k/v and the MLP inputs offloaded, out_proj in
-# HBM, and the last two layers on `minimal`.
+# The shipped recipe configs/llama3_1_offload.py: q/k/v and the attention output projection
+# offloaded, the MLP recomputed, and the last two layers on `minimal`.
 OFFLOAD_RECIPE = os.path.join(ROOT, "configs", "llama3_1_offload.py")
 
 
@@ -336,10 +336,11 @@ def test_offload_recipe_small(tmp_path):
     report = inspect_lib.build_report(cfg, TrainSetup(cfg), cpu_memory=False)
     assert list(report["groups"]) == ["layers_0_1", "layers_2_3"]
     body, last_two = report["groups"]["layers_0_1"], report["groups"]["layers_2_3"]
-    assert set(body["offloaded"]) == {Q, K, V, WI0, WI1} and set(body["saved"]) == {DLI, OUT}
+    assert set(body["offloaded"]) == {Q, K, V, OUT} and set(body["saved"]) == {DLI}
+    assert set(body["remat"]) == {"attention_out", WI0, WI1}
     assert last_two["remat_group"] == "last_two"
     assert last_two["offloaded"] == [] and set(last_two["saved"]) == {DLI, Q, K, V, OUT, WI0, WI1}
-    assert report["cuda_pinned_host_placements"] == 5 and report["problems"] == []
+    assert report["cuda_pinned_host_placements"] == 4 and report["problems"] == []
 
 
 def test_offload_recipe_keeps_the_last_two_layers_after_a_depth_override(tmp_path):
