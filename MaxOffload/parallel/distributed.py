@@ -48,10 +48,17 @@ def plan(cfg):
                     process_id=d.process_id)
     else:
         args["cluster_detection_method"] = "slurm"
+    on_gpu = not os.environ.get("JAX_PLATFORMS", "").startswith("cpu")
     if d.local_device_ids:
         args["local_device_ids"] = list(d.local_device_ids)
-    elif not explicit and _tasks_on_this_node() == 1 and _visible_gpus():
-        args["local_device_ids"] = list(range(_visible_gpus()))
+    elif not explicit and on_gpu and _tasks_on_this_node() == 1:
+        # one task drives the whole node (JAX alone would take GPU SLURM_LOCALID = 0 only)
+        args["local_device_ids"] = list(range(_visible_gpus() or cfg.launch.gpus_per_node))
+    elif not explicit and on_gpu and _visible_gpus() == 1:
+        args["local_device_ids"] = [0]  # per-task GPU binding: the one visible GPU is ordinal 0
+    if not explicit and "SLURM_NODEID" in os.environ:
+        # NVLink domain of this node, so that mesh.dcn splits across racks (e.g. 18 trays per NVL72)
+        args["slice_index"] = int(os.environ["SLURM_NODEID"]) // cfg.launch.nodes_per_slice
     return args
 
 

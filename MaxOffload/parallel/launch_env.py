@@ -23,7 +23,7 @@ def exports(cfg, environ=None):
     environ = os.environ if environ is None else environ
     launch = cfg.launch
     xla_flags = " ".join([environ.get("XLA_FLAGS", "").strip(), *map(str, launch.xla_flags)]).strip()
-    pairs = [
+    return [
         ("XLA_PYTHON_CLIENT_MEM_FRACTION", str(launch.mem_fraction)),
         ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(launch.host_memory_limit_gb)),
         ("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "false"),
@@ -34,7 +34,6 @@ def exports(cfg, environ=None):
         ("MAXOFFLOAD_NODES_PER_SLICE", str(launch.nodes_per_slice)),
         ("MAXOFFLOAD_GPUS_PER_NODE", str(launch.gpus_per_node)),
     ]
-    return pairs
 
 
 def main(argv):
