@@ -127,3 +127,17 @@ def test_target_config_is_generated_from_the_hardware_table():
     text = hardware.xla_target_config(hardware.ACCELERATORS["gb200"])
     assert "core_count: 152" in text and "device_memory_size: 197897748480" in text
     assert "cuda_compute_capability { major: 10 minor: 0 }" in text
+
+
+def test_host_memory_limit_follows_the_plan(tmp_path):
+    from MaxOffload.config import load
+    from MaxOffload.parallel.launch_env import host_memory_limit_gb
+
+    cfg = load(["configs/llama3_1.py:tiny", f"run.output_dir={tmp_path}"])
+    assert host_memory_limit_gb(cfg) == 180  # no plan yet: generous, below the GB200 cap of 216
+    (tmp_path / "aot_report.json").write_text(json.dumps({"host_bytes_per_device": 40e9}))
+    assert host_memory_limit_gb(cfg) == 54  # 40 GB + 25% + 4 GB
+    (tmp_path / "aot_report.json").write_text(json.dumps({"host_bytes_per_device": 400e9}))
+    assert host_memory_limit_gb(cfg) == 216  # capped at 90% of a GB200's 240 GB host RAM per GPU
+    fixed = load(["configs/llama3_1.py:tiny", f"run.output_dir={tmp_path}", "launch.host_memory_limit_gb=99"])
+    assert host_memory_limit_gb(fixed) == 99

@@ -232,7 +232,7 @@ def test_sbatch_gpu_mode_environment_and_imex_check(slurm, tmp_path, imex_state)
     env = dict(os.environ, PYTHON=python, PATH=f"{bin_dir}:{os.environ['PATH']}", XLA_FLAGS="--xla_dump_to=/dev/null")
     env.pop("MAXOFFLOAD_CPU_DEVICES_PER_TASK", None)
     job_id, status = run_job([*TWO_TASKS, f"--output={tmp_path}/job-%j.out", SBATCH, "configs/llama3_1.py:tiny",
-                              "launch.mem_fraction=0.85", "launch.xla_flags=[--xla_gpu_enable_command_buffer=]"], env)
+                              "launch.mem_fraction=0.85", "xla.extra_flags=[--xla_gpu_enable_command_buffer=]"], env)
     log = read(tmp_path / f"job-{job_id}.out")
     if imex_state == "DOWN":
         assert status == 3, log

@@ -136,10 +136,10 @@ SCHEMA = {
     "launch": {
         "gpus_per_node": (4, "GPUs per node (GB200 NVL72 compute tray: 4); the launcher starts one task per GPU"),
         "nodes_per_slice": (18, "nodes per NVLink domain (NVL72: 18 trays); sets each process's slice for mesh.dcn"),
-        "xla_flags": ([], "extra XLA_FLAGS for GPU jobs, e.g. [--xla_gpu_enable_latency_hiding_scheduler=true]"),
         "mem_fraction": (0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION: share of HBM JAX preallocates"),
-        "host_memory_limit_gb": (180, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: pinned host pool per process (default "
-                                      "64 is too small for offload recipes)"),
+        "host_memory_limit_gb": (0, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: pinned host pool per process (XLA's "
+                                    "default 64 is too small for offload recipes); 0 = from the aot report's host "
+                                    "need + 25%, capped by host RAM per GPU"),
     },
     "offload": {
         "params": (False, "keep parameters in pinned host memory; each layer's weights are copied to HBM inside "

@@ -176,6 +176,9 @@ def validate(cfg):
         _require(isinstance(flag, str) and re.match(r"^--xla_\w+(=.*)?$", flag),
                  f"xla.extra_flags: {flag!r} is not an XLA flag; write --xla_name=value")
     _choice("aot.target", cfg.aot.target, tuple(hardware.ACCELERATORS))
+    _require(cfg.launch.host_memory_limit_gb >= 0, "launch.host_memory_limit_gb must be >= 0 (0 = from the plan)")
+    _require(0 < cfg.launch.mem_fraction <= 1, f"launch.mem_fraction must be in (0, 1], got {cfg.launch.mem_fraction}")
+    _positive(cfg, "launch.gpus_per_node", "launch.nodes_per_slice")
     _require(re.match(r"^\d+x\d+x\d+$", cfg.aot.topology),
              f"aot.topology={cfg.aot.topology!r}: write SLICESxHOSTSxGPUS, e.g. 2x16x4")
     for kind in ("ici", "dcn"):

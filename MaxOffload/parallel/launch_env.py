@@ -2,30 +2,52 @@
 
 Prints `export NAME=VALUE` lines (shell-quoted) that must be set before JAX starts its backend:
   XLA_PYTHON_CLIENT_MEM_FRACTION      launch.mem_fraction: share of HBM JAX preallocates (0.88-0.9 in recipes).
-  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB   launch.host_memory_limit_gb: pinned host pool per process; the default
-                                      (64 GB) is too small for activation/parameter offload recipes.
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB   pinned host pool per process (XLA's default, 64 GB, is too small for offload
+                                      recipes): launch.host_memory_limit_gb, or when 0 derived from the plan —
+                                      <run.output_dir>/aot_report.json's host bytes per device + 25% + 4 GB —
+                                      capped at 90% of the host RAM per GPU of aot.target.
   XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=false  reserve that pool lazily, so a large limit costs nothing unused.
   NCCL_CUMEM_ENABLE=1                 cuMem allocations; must stay enabled for multi-node NVLink (MNNVL).
   NCCL_NVLS_ENABLE=1                  NVLink SHARP (in-switch reductions) on NVSwitch systems.
   NCCL_MNNVL_ENABLE=1                 NCCL over the multi-node NVLink domain (an NVL72 rack; needs IMEX).
-  XLA_FLAGS                           launch.xla_flags, appended to any XLA_FLAGS already in the environment.
+  XLA_FLAGS                           xla.preset + xla.extra_flags (MaxOffload/xla.py, checked against the
+                                      installed jaxlib), appended to any XLA_FLAGS already in the environment.
   MAXOFFLOAD_NODES_PER_SLICE          launch.nodes_per_slice: nodes per NVLink domain (slice for mesh.dcn).
   MAXOFFLOAD_GPUS_PER_NODE            launch.gpus_per_node: GPUs (= tasks) per node.
 A config mistake prints "error: ..." on stderr and exits 2, like train.py.
 """
+import json
+import math
 import os
 import shlex
 import sys
 
 
+def host_memory_limit_gb(cfg):
+    """launch.host_memory_limit_gb, or (0) the plan's host need with headroom, capped by host RAM per GPU."""
+    from MaxOffload import hardware
+
+    if cfg.launch.host_memory_limit_gb > 0:
+        return cfg.launch.host_memory_limit_gb
+    cap = int(hardware.ACCELERATORS[cfg.aot.target].host_ram_per_gpu * 0.9 / 1e9)
+    report = os.path.join(cfg.run.output_dir, "aot_report.json")
+    if not os.path.exists(report):  # no plan yet: a generous share of the host
+        return min(cap, 180)
+    with open(report) as f:
+        need = json.load(f)["host_bytes_per_device"]
+    return min(cap, math.ceil(need * 1.25 / 1e9) + 4)
+
+
 def exports(cfg, environ=None):
     """[(name, value)] for a GPU job of this config."""
+    from MaxOffload import xla
+
     environ = os.environ if environ is None else environ
     launch = cfg.launch
-    xla_flags = " ".join([environ.get("XLA_FLAGS", "").strip(), *map(str, launch.xla_flags)]).strip()
+    xla_flags = " ".join([environ.get("XLA_FLAGS", "").strip(), *xla.flags_for(cfg.xla)]).strip()
     return [
         ("XLA_PYTHON_CLIENT_MEM_FRACTION", str(launch.mem_fraction)),
-        ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(launch.host_memory_limit_gb)),
+        ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(host_memory_limit_gb(cfg))),
         ("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "false"),
         ("NCCL_CUMEM_ENABLE", "1"),
         ("NCCL_NVLS_ENABLE", "1"),
@@ -41,10 +63,11 @@ def main(argv):
 
     try:
         cfg = load(argv)
+        lines = exports(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name, value in exports(cfg):
+    for name, value in lines:
         print(f"export {name}={shlex.quote(value)}")
     return 0
 

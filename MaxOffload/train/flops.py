@@ -4,9 +4,12 @@
 
 P = matmul parameters each token is multiplied by (all projections and the unembedding;
 the embedding lookup is a gather and is not counted; for MoE only the router, the top-k
-routed and the shared experts). 6 = forward (2) + backward (4) per multiply-add. The second
-term is causal self-attention (QK^T and PV, half the score matrix), MaxText's convention.
-Recomputation (remat) is deliberately not counted: MFU measures useful work.
+routed and the shared experts, never all experts; for MLA its six projections). 6 = forward
+(2) + backward (4) per multiply-add. The second term is causal self-attention (QK^T and PV,
+half the score matrix), MaxText's convention; for MLA qk_dim = nope + rope and v_dim is its
+own. Each family's config says P (matmul_params_per_token) and the attention dimensions.
+Recomputation (remat) is deliberately not counted, nor are tokens a capacity factor drops:
+MFU measures the useful work of the nominal model.
 """
 
 
