@@ -36,6 +36,9 @@ def main(argv):
         flags = xla.apply(cfg)  # before JAX's backend starts
         if flags and os.environ.get("SLURM_PROCID", "0") == "0":
             print(f"xla.preset={cfg.xla.preset}: XLA_FLAGS += {' '.join(flags)}", flush=True)
+        from MaxOffload.offload.planner import resolve
+
+        cfg = resolve(cfg)  # remat.policy=auto -> explicit settings (planned once per config, cached)
         from MaxOffload.train.trainer import run
 
         return run(cfg)

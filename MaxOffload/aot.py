@@ -133,6 +133,9 @@ def main(argv):
         if missing:
             raise ConfigError(missing)
         xla.apply(cfg)
+        from MaxOffload.offload.planner import resolve
+
+        cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)  # remat.policy=auto: plan for this target
         os.makedirs(cfg.run.output_dir, exist_ok=True)
         print(f"compiling the training step of {argv[0]} for {cfg.aot.topology} x {cfg.aot.target} "
               "(deviceless) ...", flush=True)

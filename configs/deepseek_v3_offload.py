@@ -8,8 +8,11 @@ they do not have.
 
 671b mesh: FSDP16 x EP8 on 128 GPUs: mesh.ici.expert=8 and mesh.ici.fsdp=-1 (the remaining 16). The
 batch is sharded over data x fsdp x expert = all 128 devices; the 256 routed experts are split 8 ways
-(32 per device) over `expert`, and every weight's `embed` dimension 16 ways over `fsdp`. For 128
-GPUs in two NVLink domains keep the expert exchange inside a domain: mesh.dcn.fsdp=2 mesh.ici.fsdp=8.
+(32 per device) over `expert` and their `embed` dimension 16 ways over `fsdp`; every other weight is
+split 128 ways over fsdp x expert (the expert axis is data parallel outside the routed experts), so
+parameters + Adam state are 12 B x 671B / 128 = 63 GB per GPU. For 128 GPUs in two NVLink domains keep
+the expert exchange inside a domain: mesh.dcn.fsdp=2 mesh.ici.fsdp=8. On a CPU machine:
+XLA_FLAGS=--xla_force_host_platform_device_count=128 python train.py configs/deepseek_v3_offload.py run.dry_run=true
 """
 import os
 
@@ -33,4 +36,6 @@ def get_config(size="671b"):
     if size == "671b":
         cfg.mesh.ici.expert = 8
         cfg.mesh.ici.fsdp = -1
+        for axis in ("embed", "q_lora", "kv_lora"):
+            cfg.mesh.rules[axis] = ["fsdp", "expert"]
     return cfg

@@ -97,7 +97,8 @@ SCHEMA = {
     "remat": {
         "policy": ("full", "activation policy preset: full | minimal | minimal_offloaded | qkv_proj_offloaded "
                            "| save_qkv_proj | save_out_proj | save_dot_except_mlp | save_dot_except_mlpwi "
-                           "| save_dot_with_context_except_mlp | minimal_with_context | save_all | custom"),
+                           "| save_dot_with_context_except_mlp | minimal_with_context | save_all | custom | auto (the planner "
+                           "chooses per tensor: python -m MaxOffload.offload.planner)"),
         "tensors": {name: ("", f"remat | device | offload, or empty to follow the policy: {doc}")
                     for name, doc in VOCABULARY.items()},
         # Per-layer-group overrides: remat.groups.NAME.{layers, policy, tensors.*}; see GROUP below.
@@ -158,6 +159,15 @@ SCHEMA = {
                      "model.vocab_size must cover its vocabulary"),
         "eval_fraction": (0.05, "fraction of documents held out for evaluation (data.source=text; a prepared "
                                 "directory's split is fixed by prepare --eval_fraction)"),
+    },
+    "profile": {
+        "mode": ("off", "profile a window of steps: off | xprof (jax.profiler trace in <run.output_dir>/profile, "
+                        "for TensorBoard/XProf/Perfetto) | nsys (cudaProfilerStart/Stop around the window, for "
+                        "`nsys profile --capture-range=cudaProfilerApi`; a no-op without a GPU)"),
+        "start_step": (3, "first profiled step (1-based, as in metrics.jsonl); leave the first steps to warm up"),
+        "num_steps": (2, "number of profiled steps"),
+        "overlap_report": (True, "xprof: after the window, analyse the trace and print how much of the copies "
+                                 "hide under compute (python -m MaxOffload.profile.overlap); also profile/overlap.json"),
     },
     "hardware": {
         "peak_tflops_per_device": (None, float, "peak TFLOP/s per device for MFU; None = look up the device kind in "

@@ -93,9 +93,9 @@ _FALSE = {"false", "0", "no", "off"}
 
 def parse_value(key, text, current, field_type):
     """Parses `text` to the type of the field `key` (whose value is `current`)."""
-    if text.lower() in ("none", "null"):
-        if current is None:
-            return None
+    if text.lower() in ("none", "null") and current is None:
+        return None  # a placeholder field
+    if text.lower() in ("none", "null") and field_type is not str:
         raise ConfigError(f"{key} cannot be None; give a {field_type.__name__} value")
     if field_type is bool:
         if text.lower() in _TRUE:

@@ -67,8 +67,15 @@ def _validate_remat(cfg):
 
     family = cfg.model.family
     tagged = models.FAMILIES[family].TAGGED_NAMES
-    _choice("remat.policy", cfg.remat.policy, tuple(policy.PRESETS))
+    _choice("remat.policy", cfg.remat.policy, policy.ACCEPTED)
     _check_tensors("remat.tensors", cfg.remat.tensors, family, tagged)
+    remat = cfg.remat
+    if remat.policy == policy.AUTO:  # the planner chooses per model group; remat.tensors pin decisions
+        _require(not remat.groups, f"remat.policy=auto plans the layer groups itself; drop remat.groups."
+                                   f"{next(iter(remat.groups), '')} or choose a preset")
+        remat = remat.copy_and_resolve_references()
+        with remat.unlocked():
+            remat.policy = "custom"  # only the layer ranges are checked below
     template = defaults.layer_group("")
     for name, group in cfg.remat.groups.items():
         prefix = f"remat.groups.{name}"
@@ -78,7 +85,7 @@ def _validate_remat(cfg):
         if group.policy:
             _choice(f"{prefix}.policy", group.policy, tuple(policy.PRESETS))
         _check_tensors(f"{prefix}.tensors", group.tensors, family, tagged)
-    segments.layer_segments(cfg.remat, models.layer_groups(cfg))  # ranges: in bounds, disjoint
+    segments.layer_segments(remat, models.layer_groups(cfg))  # ranges: in bounds, disjoint
 
 
 def _validate_llama(cfg):
@@ -201,5 +208,12 @@ def validate(cfg):
         _require(model.vocab_size >= meta["vocab_size"],
                  f"model.vocab_size={model.vocab_size} is below the {meta['vocab_size']:,} token ids of data.path="
                  f"{data.path} ({meta['tokenizer']['name']}); set model.vocab_size>={meta['vocab_size']}")
+    prof = cfg.profile
+    _choice("profile.mode", prof.mode, ("off", "xprof", "nsys"))
+    _positive(cfg, "profile.start_step", "profile.num_steps")
+    last = prof.start_step + prof.num_steps - 1
+    _require(prof.mode == "off" or last <= train.steps,
+             f"profile: the window ends at step {last} (profile.start_step={prof.start_step} + profile.num_steps="
+             f"{prof.num_steps} - 1), after train.steps={train.steps}; move or shorten it")
     peak = cfg.hardware.peak_tflops_per_device
     _require(peak is None or peak > 0, f"hardware.peak_tflops_per_device must be > 0 (or None to look it up), got {peak}")

@@ -17,10 +17,12 @@ combined outputs back to the tokens' owners (inside jax.shard_map; the matmuls' 
 between shard_maps, so remat/offload policies and offload/inspect.py see them as ordinary arrays).
 Why not all-to-all: a ragged all-to-all is what a GPU wants but XLA:CPU cannot run it (untestable
 here); an all-to-all on capacity-padded buffers drops tokens or pads to the worst case, while DeepSeek-V3
-trains dropless. With top-8 of 256 experts on 8 expert ranks a token's choices reach ~5 of the 8 ranks
-anyway, so the all-gather sends each token to 7 remote ranks where an all-to-all would send ~4.6 copies:
-the same order of traffic, no drops, exactly the single-device result. Its costs: the gathered
-tokens and a rows buffer sized for the worst case (expert ranks x local tokens x top_k rows).
+trains dropless. With top-8 of 256 experts on 8 expert ranks a token's choices reach several ranks
+anyway (at most 4 with DeepSeek-V3's 4-of-8 group limit when groups align with ranks, ~5 without it),
+so the all-gather sends each token to 7 remote ranks where an all-to-all would send 3-4.6 copies:
+within 2x of the traffic, no drops, exactly the single-device result. Its cost: the gathered tokens
+and, dropless, a rows buffer sized for the worst case (expert ranks x local tokens x top_k rows, of
+which ~1/ranks are filled), so the moe_* activations a policy saves or offloads are that large too.
 FSDP combines freely: the weights enter the shard_map gathered over fsdp (the usual FSDP all-gather)
 and their gradients leave reduce-scattered; `moe_mlp` over `tensor` splits every expert's hidden units.
 """
@@ -143,11 +145,12 @@ class ExpertParallel:
     module docstring), or directly when no mesh is active (every expert local)."""
 
     def __init__(self, num_experts, capacity):
-        self.num_experts, self.capacity = num_experts, capacity
+        self.capacity = capacity
         active = logical.active()
         self.mesh = active[0] if active else None
-        if self.mesh is None:  # specs unused
-            self.ep, self.mlp, self.rows, self.tokens, self.gather, self.num_local = (), (), (), None, False, num_experts
+        if self.mesh is None:  # every expert local; the specs are not used
+            self.ep = self.mlp = self.rows = ()
+            self.tokens, self.gather, self.num_local = None, False, num_experts
             return
         mesh, rules = active
         spec = lambda axes: logical.partition_spec(axes, rules, mesh.axis_names)  # noqa: E731

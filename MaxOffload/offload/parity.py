@@ -52,7 +52,7 @@ def compare(cfg, presets=()):
     params, model_state = state["params"], state["model_state"]
     batch = setup.put_batch(data_lib.build(cfg, jax.process_index(), jax.process_count()).train_batch(0))
     ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch, model_state)
-    ref_norm = float(optax.global_norm(ref_grads))
+    ref_norm = float(optax.tree.norm(ref_grads))
     tolerance = TOLERANCE[cfg.model.compute_dtype]
     rows = []
     variants = [("this config", cfg)] + [(preset, with_policy(cfg, preset)) for preset in presets]
@@ -60,7 +60,7 @@ def compare(cfg, presets=()):
         loss, grads = _loss_and_grads(variant, params, batch, model_state)
         loss_diff = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
         diff = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), grads, ref_grads)
-        grad_diff = float(optax.global_norm(diff)) / max(ref_norm, 1e-12)
+        grad_diff = float(optax.tree.norm(diff)) / max(ref_norm, 1e-12)
         rows.append((label, float(loss), loss_diff, grad_diff, loss_diff <= tolerance and grad_diff <= tolerance))
     return float(ref_loss), tolerance, rows
 
@@ -83,7 +83,9 @@ def main(argv):
     all_presets = "--all_presets" in argv
     argv = [a for a in argv if a != "--all_presets"]
     try:
-        cfg = load(argv)
+        from MaxOffload.offload.planner import resolve
+
+        cfg = resolve(load(argv))  # remat.policy=auto -> explicit settings
         presets = [p for p in PRESETS if p not in ("full", "custom")] if all_presets else []
         ref_loss, tolerance, rows = compare(cfg, presets)
     except ConfigError as e:

@@ -33,8 +33,17 @@ PRESETS = {
 }
 
 
+# remat.policy=auto: the planner (MaxOffload/offload/planner.py) chooses per tensor and layer group and
+# replaces it with `custom` + explicit settings right after the config is loaded. Accepted by the
+# validator for remat.policy only (ACCEPTED), never a key of PRESETS: the policy builder refuses it.
+AUTO = "auto"
+ACCEPTED = tuple(PRESETS) + (AUTO,)
+
+
 def decisions(preset, tensors):
     """{name: decision} for every vocabulary name: the preset, then explicit `tensors` settings."""
+    if preset == AUTO:
+        raise ValueError("remat.policy=auto must be resolved first: MaxOffload.offload.planner.resolve(cfg)")
     if preset not in PRESETS:
         raise ValueError(f"unknown remat policy {preset!r}")
     out = {name: PRESETS[preset].get(name, REMAT) for name in VOCABULARY}

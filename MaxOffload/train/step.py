@@ -115,7 +115,7 @@ class TrainSetup:
         grads = to_device(grads, offload.params)
         opt_state = to_device(state["opt_state"], offload.optimizer_state)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         # A non-finite loss or gradient never reaches the state: keep the old values.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731

@@ -22,6 +22,7 @@ from MaxOffload.train.errors import NonFiniteError
 from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed
 from MaxOffload.parallel.mesh import describe as mesh_describe
+from MaxOffload.profile.window import Window
 from MaxOffload.train.step import HOST, TrainSetup
 
 
@@ -132,6 +133,22 @@ def device_peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
+def device_memory_metrics():
+    """Per-step device memory figures the runtime reports (GPU): {} where it reports none (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {f"device_{k}": int(stats[k]) for k in ("peak_bytes_in_use", "bytes_in_use") if k in stats}
+
+
+def describe_compiled_memory(memory):
+    if not memory:
+        return "compiled step memory: not reported by this backend"
+    names = (("argument", "argument_size_in_bytes"), ("output", "output_size_in_bytes"),
+             ("alias", "alias_size_in_bytes"), ("temp", "temp_size_in_bytes"),
+             ("host argument", "host_argument_size_in_bytes"), ("host temp", "host_temp_size_in_bytes"))
+    return "compiled step memory per device: " + ", ".join(f"{label} {_human(memory[key], 'B')}"
+                                                           for label, key in names)
+
+
 class Training:
     def __init__(self, cfg, setup, summary, process_index, process_count):
         self.cfg, self.setup, self.summary = cfg, setup, summary
@@ -189,6 +206,9 @@ class Training:
         train_step, self.eval_step = setup.compile_train_step(), setup.compile_eval_step()
         self.summary["compile_time_s"] = time.perf_counter() - started
         self.summary["compiled_memory"] = compiled_memory(train_step)
+        _say(describe_compiled_memory(self.summary["compiled_memory"]))
+        self.window = Window(cfg.profile.mode, cfg.profile.start_step, cfg.profile.num_steps,
+                             os.path.join(cfg.run.output_dir, "profile"), _say)
         _say(f"compiled in {self.summary['compile_time_s']:.1f} s; training steps {start + 1}-{cfg.train.steps} of "
              f"{self.summary['global_batch']} x {cfg.train.seq_len} tokens")
         self.eval_batches = [setup.put_batch(b) for b in self.data.eval_batches(cfg.train.eval_batches)]
@@ -197,9 +217,16 @@ class Training:
         pending, self.last_done = None, time.perf_counter()
         try:
             for step in range(start, cfg.train.steps):
-                state, metrics = train_step(state, setup.put_batch(self.data.train_batch(step)))
+                if self.window.starts_at(step + 1):
+                    pending = self.report(pending)  # the device is idle: the trace starts with this step
+                    self.window.start()
+                with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+                    state, metrics = train_step(state, setup.put_batch(self.data.train_batch(step)))
                 pending = self.report(pending)  # the previous step, while the device works on this one
                 pending, done = (step + 1, metrics), step + 1
+                if self.window.ends_at(done):
+                    pending = self.report(pending)  # waits for the last profiled step: the trace holds it all
+                    self.end_profile()
                 due_eval = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps
                 due_save = cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0
                 stop = self.stop_requested()
@@ -222,6 +249,7 @@ class Training:
             self.save(checkpointer, int(jax.device_get(state["step"])), state)
             raise
         finally:
+            self.window.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             checkpointer.close()
@@ -240,11 +268,27 @@ class Training:
         tokens = self.summary["global_batch"] * self.cfg.train.seq_len / self.devices
         values.update(step_time_s=seconds, tokens_per_sec_per_device=tokens / seconds,
                       tflops_per_sec_per_device=flops_per_s / 1e12,
-                      mfu=flops_per_s / self.peak if self.peak else None)
+                      mfu=flops_per_s / self.peak if self.peak else None, **device_memory_metrics())
         self.logger.log_step(step, values)
         self.history.append(values)
         self.check_health(step, values)
         return None
+
+    def end_profile(self):
+        """Stops the profiler after the window; with xprof, prints the overlap verdict (profile/overlap.json)."""
+        trace_dir = self.window.stop()
+        if trace_dir and self.cfg.profile.overlap_report and _LEAD[0]:
+            from MaxOffload.profile import overlap
+
+            try:
+                result = overlap.report(trace_dir)
+                result["verdict"] = overlap.verdict(result)
+                _write_json(os.path.join(trace_dir, "overlap.json"), result)
+                self.summary["overlap"] = {"verdict": result["verdict"], "per_step": result["mean"]}
+                _say(result["verdict"])
+            except Exception as e:  # an unreadable trace must not end the training run
+                _say(f"overlap report failed ({type(e).__name__}: {e}); the trace is in {trace_dir}")
+        self.last_done = time.perf_counter()  # the analysis is not step time
 
     def check_health(self, step, values):
         if values["nonfinite"]:

@@ -6,7 +6,8 @@ offload + LHS vs offload + LHS + pipelined transfers, measured side by side in o
 Each variant is a `train.py` run in its own process (XLA flags must be set before the backend
 starts) on the same seed and synthetic data. Prints per variant: step time, TFLOP/s per device,
 the runtime's peak HBM, XLA's host buffers (offloaded bytes), and the per-step losses against
-remat (same data, same seed: they must agree to bf16 rounding). Then runs the parity gate
+remat (same data, same seed: they must agree to bf16 rounding). Each variant also profiles a 2-step
+window (profile.mode=xprof) and the copy/compute overlap verdict of each is printed. Then runs the parity gate
 (python -m MaxOffload.offload.parity) for the offload policy, which exercises XLA's real
 host-offload passes. Designed to finish within 10 minutes; a variant that runs out of memory is
 reported as OOM, not a crash.
@@ -35,10 +36,17 @@ VARIANTS = {
 }
 
 
+
+def profile_window(steps):
+    """A 2-step xprof window late in the run (after warmup), analysed by MaxOffload.profile.overlap."""
+    start = max(2, steps - 3)
+    return ["profile.mode=xprof", f"profile.start_step={start}", f"profile.num_steps={min(2, steps - start + 1)}"]
+
+
 def run_variant(name, overrides, args):
     out = os.path.join(args.output_dir, name.replace("+", "_"))
-    cmd = [sys.executable, "train.py", *MODEL, *overrides, *args.overrides, f"train.steps={args.steps}",
-           f"run.output_dir={out}", "checkpoint.resume=false"]
+    cmd = [sys.executable, "train.py", *MODEL, *overrides, *profile_window(args.steps), *args.overrides,
+           f"train.steps={args.steps}", f"run.output_dir={out}", "checkpoint.resume=false"]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     result = {"name": name, "wall_s": time.perf_counter() - started, "returncode": proc.returncode}
@@ -55,7 +63,8 @@ def run_variant(name, overrides, args):
                   tflops=summary["tflops_per_sec_per_device"], mfu=summary.get("mfu"),
                   peak_hbm_gb=(summary.get("device_peak_bytes") or 0) / 1e9,
                   host_temp_gb=memory.get("host_temp_size_in_bytes", 0) / 1e9,
-                  hbm_temp_gb=memory.get("temp_size_in_bytes", 0) / 1e9, losses=losses)
+                  hbm_temp_gb=memory.get("temp_size_in_bytes", 0) / 1e9, losses=losses,
+                  overlap=(summary.get("overlap") or {}).get("verdict", "no overlap report"))
     return result
 
 
@@ -88,6 +97,9 @@ def main():
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
         print(f"{r['name']:<24} {'ok':<7} {r['step_time_s']:>8.3f} {r['tflops']:>8.1f} {speedup:>9} "
               f"{r['peak_hbm_gb']:>8.1f}G {r['host_temp_gb']:>8.1f}G {diff:>14.2e}")
+    print("\ncopy/compute overlap (2 profiled steps per variant; traces in <variant>/profile):")
+    for r in results:
+        print(f"  {r['name']}: {r.get('overlap', r['status'])}")
     print("\nparity gate (real XLA host offload): python -m MaxOffload.offload.parity", flush=True)
     parity = subprocess.run([sys.executable, "-m", "MaxOffload.offload.parity", *MODEL, *OFFLOAD, *args.overrides,
                              "model.num_layers=4", "train.per_device_batch_size=4"], cwd=ROOT, capture_output=True,

@@ -1,0 +1,598 @@
+"""Automatic offload planner: `remat.policy=auto` -> remat / device / offload per tensor and layer group.
+
+    python -m MaxOffload.offload.planner CONFIG.py[:ARG] [overrides...] [--target gb200] [--topology 2x16x4]
+                                         [--no_confirm]
+
+1. Cost model (explicit and small, see `Candidate` and `GroupCost`). The step is traced once under full
+   remat (MaxOffload.offload.inspect.activation_groups): per model group (llama: decoder; deepseek: dense,
+   moe) every tagged tensor's bytes per device (shape x the sharding rules) and whether the backward pass
+   needs it at all. Per tensor and layer:
+     - recompute FLOPs = 2 x elements per device x K, K = the contraction length of the matmul that
+       produced it (`contraction`: e.g. mlpwi_0: emb_dim, out_proj: heads x v_dim, attention_out: seq/2 —
+       the causal P.V; norms (mla_q, mla_kv): 0, costed as memory traffic 3 x bytes / HBM bandwidth);
+       recompute time = max(FLOPs / achievable peak, 3 x bytes / HBM bandwidth);
+     - transfer time = bytes / host-link bandwidth per direction (hardware.py: NVLink-C2C vs PCIe);
+     - compute available to hide copies = the layer's forward FLOPs / achievable peak (the sum of its
+       tagged matmuls plus the Q.K^T scores) for the copy to host, 2x that (+ recomputation) for the copy back;
+     - achievable peak = MATMUL_EFFICIENCY x the table's bf16 peak.
+   HBM budget = capacity x launch.mem_fraction - base, base = the deviceless compile of full remat
+   (parameters, optimizer state, gradients, the scan carry, logits and XLA's workspace as XLA lays them
+   out) or, with --no_confirm / no GPU target, an analytic estimate (`analytic_base`). A tensor kept in HBM
+   costs its bytes x layers; an offloaded one costs host bytes x layers plus OFFLOAD_STAGING_LAYERS layers
+   of HBM staging. Host budget = host RAM per GPU x aot.HOST_USABLE - host-resident state.
+2. Search (greedy, by recompute seconds saved per byte, `search`): keep in HBM while it fits; otherwise
+   offload while the host budget holds and the group's copies still hide under OVERLAP x compute;
+   otherwise recompute. Tensors the user pinned with remat.tensors.NAME stay as given. Then (confirm)
+   the plan is compiled deviceless; while XLA's HBM figure is over the usable HBM, the planner charges the
+   overshoot to the budget and searches again (at most CONFIRM_ROUNDS compiles).
+3. Output: a table (tensor, group, bytes, decision, reason), predicted step time and TFLOP/s per device,
+   and the exact override lines (`remat.policy=custom remat.tensors.X=...`, or per model group
+   `remat.groups.auto_moe.layers=moe remat.groups.auto_moe.tensors.X=...`).
+Plans are cached per config (JSON in ~/.cache/maxoffload/plans, keyed by a hash of everything that
+changes the plan). On CPU (no GPU target), offloaded tensors are simply kept (XLA:CPU drops the host
+placement), so the planner uses `CPU` below: memory = half the machine's RAM, copies free.
+"""
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+
+from MaxOffload.offload import names
+from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
+
+PLANNER_VERSION = 1
+MATMUL_EFFICIENCY = 0.6  # achievable share of the bf16 peak for the layer matmuls (kernel + comms losses)
+OVERLAP = 0.8  # share of a layer's compute that copies may hide under (they share HBM bandwidth)
+# HBM an offloaded tensor still takes, in layers of it. Measured with the deviceless GB200 compile (docs/planner.md):
+# XLA's figure for offloading policies matched base + kept tensors with no staging term (2 layers over-predicted
+# minimal_offloaded by 9.7%), so 0; raise it if a real GPU's figures say otherwise.
+OFFLOAD_STAGING_LAYERS = 0
+HBM_MARGIN = 0.03  # keep this share of usable HBM free: the model's error bar
+CONFIRM_ROUNDS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One tagged tensor of one model group, per layer and per device."""
+    group: str
+    name: str
+    layers: int
+    bytes: int  # per layer per device
+    recompute_flops: float  # per layer per device, the matmul that regenerates it
+    recompute_s: float  # per layer
+    transfer_s: float  # per layer, one direction over the host link
+    options: tuple  # decisions allowed (the scan carry cannot be recomputed)
+    pinned: str = ""  # remat.tensors.NAME given by the user
+
+    @property
+    def density(self):
+        """Recompute seconds saved per byte kept: the greedy order."""
+        return self.recompute_s / max(self.bytes, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCost:
+    group: str
+    layers: int
+    forward_flops: float  # per layer per device
+    forward_s: float  # per layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    name: str
+    hbm_usable: float
+    peak_flops: float  # achievable
+    hbm_bandwidth: float
+    host_link_bandwidth: float  # inf = copies are free (CPU)
+    host_budget: float
+    gpu: bool
+
+
+def machine(accelerator, mem_fraction, host_state_bytes=0):
+    from MaxOffload.aot import HOST_USABLE
+
+    return Machine(accelerator.name, accelerator.hbm_bytes * mem_fraction,
+                   accelerator.bf16_peak_flops * MATMUL_EFFICIENCY, accelerator.hbm_bandwidth,
+                   accelerator.host_link_bandwidth,
+                   accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True)
+
+
+def cpu_machine():
+    """XLA:CPU: an offloaded tensor is kept in RAM, so copies cost nothing and 'HBM' is half the RAM."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 * 2**30
+    return Machine("CPU", ram / 2, 5e10 * (os.cpu_count() or 1), 2e10, math.inf, ram / 2, False)
+
+
+def contraction(model_config, model_group, name, seq_len):
+    """K of the matmul that produces `name` (FLOPs = 2 x output elements x K); 0 for non-matmuls."""
+    c = model_config
+    d = c.emb_dim
+    if hasattr(c, "q_lora_rank"):  # deepseek
+        mlp_out = c.mlp_dim if model_group == "dense" else c.moe_mlp_dim * max(c.num_shared_experts, 1)
+        table = {"query_wa_proj": d, "kv_wa_proj": d, "query_proj": c.q_lora_rank, "key_proj": c.kv_lora_rank,
+                 "value_proj": c.kv_lora_rank, "attention_out": seq_len / 2, "out_proj": c.num_heads * c.v_head_dim,
+                 "mlpwi_0": d, "mlpwi_1": d, "mlpwo": mlp_out, "moe_mlpwi_0": d, "moe_mlpwi_1": d,
+                 "moe_mlpwo": c.moe_mlp_dim}
+    else:
+        table = {"query_proj": d, "key_proj": d, "value_proj": d, "attention_out": seq_len / 2,
+                 "out_proj": c.num_heads * c.head_dim, "mlpwi_0": d, "mlpwi_1": d, "mlpwo": c.mlp_dim}
+    return table.get(name, 0)
+
+
+def _score_ratio(model_config):
+    """Q.K^T FLOPs / P.V FLOPs (qk_dim / v_dim)."""
+    _, _, qk, v = model_config.attention_dims()
+    return qk / v
+
+
+def cost_model(cfg, groups, m, seq_len=None):
+    """(candidates, {group: GroupCost}) from inspect.activation_groups' entries (traced under full remat)."""
+    from MaxOffload import models
+
+    mc = models.model_config(cfg)
+    seq_len = seq_len or cfg.train.seq_len
+    pinned = {k: v for k, v in cfg.remat.tensors.items() if v}
+    candidates, costs = [], {}
+    for entry in groups.values():
+        group, layers = entry["model_group"], entry["layers"][1] - entry["layers"][0] + 1
+        forward = 0.0
+        for name, t in entry["tensors"].items():
+            per_layer = t["bytes_per_device_per_step"] // layers
+            elements = per_layer / _itemsize(t["dtype"])
+            flops = 2 * elements * contraction(mc, group, name, seq_len)
+            forward += flops * (1 + _score_ratio(mc)) if name == names.ATTENTION_OUT else flops
+            if t["result"] in ("unused",):
+                continue  # the backward pass never reads it: nothing to decide
+            recompute_s = max(flops / m.peak_flops, 3 * per_layer / m.hbm_bandwidth)
+            options = (DEVICE, OFFLOAD) if name in names.ALWAYS_KEPT else (REMAT, DEVICE, OFFLOAD)
+            candidates.append(Candidate(group, name, layers, int(per_layer), flops, recompute_s,
+                                        per_layer / m.host_link_bandwidth, options, pinned.get(name, "")))
+        costs[group] = GroupCost(group, layers, forward, forward / m.peak_flops)
+    return candidates, costs
+
+
+def _itemsize(dtype):
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass
+class Plan:
+    decisions: dict  # (group, name) -> decision
+    reasons: dict  # (group, name) -> why
+    candidates: list
+    costs: dict
+    machine: Machine
+    base_hbm: float  # full-remat HBM per device (compiled or analytic)
+    base_source: str
+    hbm_penalty: float = 0.0  # overshoot charged after a confirm round
+    compiled_hbm: float = None
+    compiled_host: float = None
+    model_flops_per_device: float = 0.0
+    other_s: float = 0.0  # embedding/unembedding etc.: outside the layers
+
+    def hbm_bytes(self):
+        """Predicted HBM per device of this plan."""
+        return self.base_hbm + usage(self.candidates, self.decisions)[0]
+
+    def host_bytes(self):
+        return usage(self.candidates, self.decisions)[1]
+
+    def step_time(self):
+        """Predicted seconds per step: forward + backward (2x) + recomputation + exposed copies."""
+        total = self.other_s
+        for group, g in self.costs.items():
+            members = [c for c in self.candidates if c.group == group]
+            recompute = sum(c.recompute_s for c in members if self.decisions[(group, c.name)] == REMAT)
+            total += g.layers * (3 * g.forward_s + recompute + self.exposed_s(group, recompute))
+        return total
+
+    def exposed_s(self, group, recompute=0.0):
+        """Per layer: copy time that does not hide under the layer's compute (to host in the forward,
+        back in the backward)."""
+        g = self.costs[group]
+        copy = sum(c.transfer_s for c in self.candidates
+                   if c.group == group and self.decisions[(group, c.name)] == OFFLOAD)
+        return max(0.0, copy - OVERLAP * g.forward_s) + max(0.0, copy - OVERLAP * (2 * g.forward_s + recompute))
+
+    def tflops_per_device(self):
+        return self.model_flops_per_device / self.step_time() / 1e12
+
+
+def usage(candidates, decisions):
+    """(extra HBM over the full-remat base, host bytes, {group: copy seconds per layer}) of decisions."""
+    hbm, host, copy = 0, 0, {}
+    for c in candidates:
+        d = decisions.get((c.group, c.name), REMAT)
+        if d == OFFLOAD:
+            host += c.bytes * c.layers
+            copy[c.group] = copy.get(c.group, 0.0) + c.transfer_s
+            hbm += c.bytes * min(OFFLOAD_STAGING_LAYERS, c.layers)
+            if c.name in names.ALWAYS_KEPT:  # the carry is in the full-remat base already
+                hbm -= c.bytes * c.layers
+        elif d == DEVICE and c.name not in names.ALWAYS_KEPT:
+            hbm += c.bytes * c.layers
+    return hbm, host, copy
+
+
+def feasible(candidates, costs, m, budget, decisions):
+    hbm, host, copy = usage(candidates, decisions)
+    return hbm <= budget and host <= m.host_budget and all(
+        t <= OVERLAP * costs[g].forward_s * (1 + 1e-9) for g, t in copy.items())
+
+
+def _saved_s(candidates, decisions):
+    return sum(c.recompute_s * c.layers for c in candidates if decisions.get((c.group, c.name), REMAT) != REMAT)
+
+
+def search(candidates, costs, m, base_hbm, penalty=0.0):
+    """(decisions, reasons): greedy by recompute seconds saved per byte, then an exchange pass.
+
+    Greedy: in order of density, keep a tensor in HBM if it fits, else offload it if the host memory and
+    the group's copy time (which must hide under OVERLAP x the layer's forward) allow, else recompute.
+    Exchange: for each recomputed tensor, most recompute time first, try saving it (offloaded, else kept)
+    after moving kept tensors to the host, largest first, until the plan fits; accepted if it saves time.
+    """
+    budget = m.hbm_usable * (1 - HBM_MARGIN) - base_hbm - penalty
+    ok = lambda d: feasible(candidates, costs, m, budget, d)  # noqa: E731
+    decisions, reasons = {}, {}
+    for c in candidates:
+        key = (c.group, c.name)
+        if c.pinned:
+            decisions[key], reasons[key] = c.pinned, "pinned by remat.tensors"
+        elif c.name in names.ALWAYS_KEPT:
+            decisions[key], reasons[key] = DEVICE, "scan carry: kept (in the full-remat base)"
+    free = sorted((c for c in candidates if (c.group, c.name) not in decisions),
+                  key=lambda c: (-c.density, c.bytes, c.group, c.name))
+    for c in free:
+        key = (c.group, c.name)
+        decisions[key] = REMAT
+        if c.recompute_s <= 0:
+            reasons[key] = "free to recompute"
+            continue
+        for choice, why in ((DEVICE, f"fits HBM (saves {c.recompute_s * 1e3:.3g} ms/layer of recompute)"),
+                            (OFFLOAD, f"HBM full; its copy ({c.transfer_s * 1e3:.3g} ms) hides under the layer's "
+                                      f"{costs[c.group].forward_s * 1e3:.3g} ms forward")):
+            trial = {**decisions, key: choice}
+            if ok(trial):
+                decisions, reasons[key] = trial, why
+                break
+        else:
+            hbm, host, copy = usage(candidates, {**decisions, key: OFFLOAD})
+            why = ("host memory full" if host > m.host_budget else "HBM full (even for the staging buffers)"
+                   if hbm > budget else "its copy would not hide under the layer's compute")
+            reasons[key] = f"{why}: recompute {c.recompute_s * 1e3:.3g} ms/layer"
+    def remat_reason(c, decisions):
+        hbm, host, copy = usage(candidates, {**decisions, (c.group, c.name): OFFLOAD})
+        why = ("host memory full" if host > m.host_budget else "HBM full (even for the staging buffers)"
+               if hbm > budget else "its copy would not hide under the layer's compute")
+        return f"{why}: recompute {c.recompute_s * 1e3:.3g} ms/layer"
+
+    # exchange pass
+    for c in sorted((c for c in free if decisions[(c.group, c.name)] == REMAT and c.recompute_s > 0),
+                    key=lambda c: -c.recompute_s * c.layers):
+        key = (c.group, c.name)
+        for choice in (OFFLOAD, DEVICE):
+            trial = {**decisions, key: choice}
+            movable = sorted((k for k in free if decisions[(k.group, k.name)] == DEVICE),
+                             key=lambda k: -k.bytes * k.layers)
+            moved = []
+            while not ok(trial) and movable:
+                k = movable.pop(0)
+                trial[(k.group, k.name)] = OFFLOAD
+                moved.append(k)
+            if ok(trial) and _saved_s(candidates, trial) > _saved_s(candidates, decisions):
+                decisions = trial
+                reasons[key] = (f"saved ({choice}) after moving {', '.join(k.name for k in moved)} to the host: "
+                                f"saves {c.recompute_s * 1e3:.3g} ms/layer of recompute")
+                for k in moved:
+                    reasons[(k.group, k.name)] = (f"offloaded to make room in HBM for {c.name}; copy "
+                                                  f"{k.transfer_s * 1e3:.3g} ms hides under compute")
+                break
+    for c in free:
+        if decisions[(c.group, c.name)] == REMAT and c.recompute_s > 0:
+            reasons[(c.group, c.name)] = remat_reason(c, decisions)
+    return decisions, reasons
+
+
+# ---------------------------------------------------------------------------------------------------
+# from a config to a plan
+
+
+def _target_devices(target, topology):
+    if target:
+        from MaxOffload import aot
+
+        return aot.compile_only_devices(target, topology)
+    return None
+
+
+def _accelerator(target, devices):
+    from MaxOffload import hardware
+
+    if target:
+        return hardware.ACCELERATORS[target]
+    import jax
+
+    dev = (devices or jax.devices())[0]
+    return hardware.lookup(dev.device_kind) if dev.platform == "gpu" else None
+
+
+def analytic_base(setup, groups, logits_vocab):
+    """Full-remat HBM without a compile: state on the device + gradients + the stacked scan carry +
+    float32 logits and their gradient + twice one layer's tagged tensors (the backward's working set)."""
+    from MaxOffload.train.step import DEVICE as DEVICE_KIND
+
+    state = setup.state_bytes_per_device(DEVICE_KIND)
+    params = setup.state_bytes_per_device() // 3  # params + 2 Adam moments of the same shape
+    tokens = setup.cfg.train.per_device_batch_size * setup.cfg.train.seq_len
+    carry = sum(t["bytes_per_device_per_step"] for g in groups.values() for n, t in g["tensors"].items()
+                if n in names.ALWAYS_KEPT)
+    layer = max(sum(t["bytes_per_device_per_step"] for t in g["tensors"].values()) /
+                (g["layers"][1] - g["layers"][0] + 1) for g in groups.values())
+    return state + params + carry + 2 * 4 * tokens * logits_vocab + 2 * layer
+
+
+def compiled_memory(cfg, devices):
+    from MaxOffload.train.step import TrainSetup
+
+    m = TrainSetup(cfg, devices).compile_train_step().memory_analysis()
+    hbm = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    host = (m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
+            + m.host_temp_size_in_bytes)
+    return hbm, host
+
+
+def plan(cfg, target=None, topology=None, confirm=True, log=print):
+    """The Plan for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
+    from MaxOffload import models
+    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.offload.segments import with_policy
+    from MaxOffload.train import flops
+    from MaxOffload.train.step import HOST, TrainSetup
+
+    devices = _target_devices(target, topology)
+    accelerator = _accelerator(target, devices)
+    full = with_policy(cfg, "full")
+    setup = TrainSetup(full, devices)
+    m = machine(accelerator, cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST)) if accelerator \
+        else cpu_machine()
+    groups, _, _ = activation_groups(full, setup)
+    candidates, costs = cost_model(cfg, groups, m)
+    mc = models.model_config(cfg)
+    n = setup.mesh.size
+    model_flops = flops.train_flops_per_step(mc, cfg.train.per_device_batch_size * n, cfg.train.seq_len) / n
+    tokens = cfg.train.per_device_batch_size * cfg.train.seq_len
+    other_s = 6 * tokens * mc.emb_dim * mc.vocab_size / m.peak_flops
+    confirm = confirm and m.gpu
+    if confirm:
+        log(f"planner: compiling full remat for {target or accelerator.name} (the HBM base) ...")
+        base, _ = compiled_memory(full, devices)
+        source = "deviceless compile of full remat" if target else "compile of full remat"
+    else:
+        base, source = analytic_base(setup, groups, mc.vocab_size), "analytic estimate (no compile)"
+    result = Plan({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s)
+    result.decisions, result.reasons = search(candidates, costs, m, base)
+    for round_ in range(CONFIRM_ROUNDS if confirm else 0):
+        variant = apply(cfg, result)
+        log(f"planner: confirming the plan with a compile (round {round_ + 1}) ...")
+        result.compiled_hbm, result.compiled_host = compiled_memory(variant, devices)
+        over = result.compiled_hbm - m.hbm_usable * (1 - HBM_MARGIN / 2)
+        if over <= 0 and result.compiled_host <= m.host_budget:
+            break
+        result.hbm_penalty += max(over, 0) + max(0.0, result.compiled_hbm - result.hbm_bytes())
+        result.decisions, result.reasons = search(candidates, costs, m, base, result.hbm_penalty)
+        result.compiled_hbm = result.compiled_host = None
+    return result
+
+
+def check_prediction(cfg, target, topology):
+    """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
+    (full-remat compile + kept tensors + offload staging) against XLA's figure for the same config."""
+    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.offload.segments import with_policy
+    from MaxOffload.train.step import TrainSetup
+
+    devices = _target_devices(target, topology)
+    base, _ = compiled_memory(with_policy(cfg, "full"), devices)
+    groups, _, _ = activation_groups(cfg, TrainSetup(cfg, devices))
+    candidates, decisions = [], {}
+    for label, entry in groups.items():
+        layers = entry["layers"][1] - entry["layers"][0] + 1
+        for name, t in entry["tensors"].items():
+            kind = {"offload": OFFLOAD, "offload+device": DEVICE, "device": DEVICE}.get(t["result"], REMAT)
+            candidates.append(Candidate(label, name, layers, t["bytes_per_device_per_step"] // layers, 0, 0, 0, ()))
+            decisions[(label, name)] = kind
+    return base + usage(candidates, decisions)[0], compiled_memory(cfg, devices)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# plan -> config / override lines / table
+
+
+def group_decisions(result):
+    """{model group: {name: decision}} over the tagged names the plan decided."""
+    out = {}
+    for (group, name), d in result.decisions.items():
+        out.setdefault(group, {})[name] = d
+    return out
+
+
+def override_lines(result):
+    """The exact command-line overrides that reproduce the plan without the planner."""
+    per_group = group_decisions(result)
+    lines = ["remat.policy=custom"]
+    if len(per_group) == 1:
+        (only,) = per_group.values()
+        return lines + [f"remat.tensors.{n}={d}" for n, d in only.items()]
+    for group, chosen in per_group.items():
+        lines.append(f"remat.groups.auto_{group}.layers={group}")
+        lines += [f"remat.groups.auto_{group}.tensors.{n}={d}" for n, d in chosen.items()]
+    return lines
+
+
+def apply(cfg, result):
+    """A copy of cfg with the plan written out as remat.policy=custom + tensors / groups."""
+    from MaxOffload.config.defaults import add_layer_group
+
+    variant = cfg.copy_and_resolve_references()
+    per_group = group_decisions(result)
+    with variant.unlocked():
+        variant.remat.policy = "custom"
+        for name in variant.remat.tensors:
+            variant.remat.tensors[name] = ""
+        for group in list(variant.remat.groups):
+            del variant.remat.groups[group]
+    if len(per_group) == 1:
+        (only,) = per_group.values()
+        for name, d in only.items():
+            variant.remat.tensors[name] = d
+    else:
+        for group, chosen in per_group.items():
+            add_layer_group(variant, f"auto_{group}", layers=group, **chosen)
+    return variant
+
+
+def _gib(n):
+    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
+def format_plan(result):
+    m = result.machine
+    lines = [f"plan for {m.name}: achievable {m.peak_flops / 1e12:,.0f} TFLOP/s, host link "
+             f"{'free (CPU)' if math.isinf(m.host_link_bandwidth) else f'{m.host_link_bandwidth / 1e9:,.0f} GB/s'}",
+             f"  {'tensor':<14} {'group':<8} {'bytes/layer':>12} {'x layers':>12} {'recompute':>10} "
+             f"{'copy':>9}  {'decision':<8} reason"]
+    for c in sorted(result.candidates, key=lambda c: (c.group, -c.bytes * c.layers)):
+        d = result.decisions[(c.group, c.name)]
+        copy = "-" if math.isinf(m.host_link_bandwidth) else f"{c.transfer_s * 1e3:.3g}ms"
+        lines.append(f"  {c.name:<14} {c.group:<8} {_gib(c.bytes):>12} {_gib(c.bytes * c.layers):>12} "
+                     f"{c.recompute_s * 1e3:>8.3g}ms {copy:>9}  {d:<8} {result.reasons[(c.group, c.name)]}")
+    for group, g in result.costs.items():
+        lines.append(f"  group {group}: {g.layers} layers, forward {g.forward_flops / 1e12:,.3g} TFLOP "
+                     f"({g.forward_s * 1e3:.3g} ms) per layer per device; exposed copy "
+                     f"{result.exposed_s(group) * 1e3:.3g} ms/layer")
+    lines.append(f"predicted HBM per device: {_gib(result.hbm_bytes())} (base {_gib(result.base_hbm)}: "
+                 f"{result.base_source}) of {_gib(m.hbm_usable)} usable; host {_gib(result.host_bytes())} of "
+                 f"{_gib(m.host_budget)}")
+    if result.compiled_hbm is not None:
+        err = (result.hbm_bytes() - result.compiled_hbm) / result.compiled_hbm
+        lines.append(f"compiled HBM per device: {_gib(result.compiled_hbm)} (prediction {err:+.1%}), host "
+                     f"{_gib(result.compiled_host)}")
+    lines.append(f"predicted step time {result.step_time() * 1e3:,.1f} ms, "
+                 f"{result.tflops_per_device():,.1f} TFLOP/s per device")
+    lines.append("overrides: " + " ".join(override_lines(result)))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# remat.policy=auto: resolve at start, cached per config
+
+
+def _cache_dir():
+    root = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.path.join(root, "maxoffload", "plans")
+
+
+def cache_key(cfg, target, topology, device_count=None):
+    import jax
+
+    relevant = {k: cfg[k].to_dict() for k in ("model", "remat", "mesh", "offload", "xla")}
+    relevant.update(batch=cfg.train.per_device_batch_size, seq_len=cfg.train.seq_len,
+                    mem_fraction=cfg.launch.mem_fraction, target=target, topology=topology,
+                    devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,
+                    constants=[MATMUL_EFFICIENCY, OVERLAP, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def resolve(cfg, target=None, topology=None, confirm=True, use_cache=True, log=print):
+    """cfg with remat.policy=auto replaced by the planned explicit settings (cfg itself otherwise).
+
+    target/topology: plan for compile-only GPUs (the aot tool); None: for this process's devices."""
+    from MaxOffload.offload.policy import AUTO
+
+    if cfg.remat.policy != AUTO:
+        return cfg
+    import jax
+
+    key = cache_key(cfg, target, topology, None if target else jax.device_count())
+    path = os.path.join(_cache_dir(), key + ".json")
+    lines = None
+    if use_cache:
+        try:
+            with open(path) as f:
+                lines = json.load(f)["overrides"]
+            log(f"remat.policy=auto: cached plan {path}")
+        except (OSError, ValueError, KeyError):
+            lines = None
+    if lines is None:
+        result = plan(cfg, target, topology, confirm=confirm, log=log)
+        log(format_plan(result))
+        lines = override_lines(result)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"overrides": lines, "predicted_step_s": result.step_time(),
+                           "predicted_tflops_per_device": result.tflops_per_device(),
+                           "predicted_hbm_bytes": result.hbm_bytes(), "compiled_hbm_bytes": result.compiled_hbm},
+                          f, indent=1)
+        except OSError:
+            pass  # a cache only
+    log("remat.policy=auto resolved to: " + " ".join(lines))
+    return with_overrides(cfg, lines)
+
+
+def with_overrides(cfg, lines):
+    """A copy of cfg (auto cleared) with the override lines applied and validated."""
+    from MaxOffload.config.loader import apply_override
+    from MaxOffload.config.validate import validate
+
+    variant = cfg.copy_and_resolve_references()
+    with variant.unlocked():
+        variant.remat.policy = "custom"
+        for name in variant.remat.tensors:
+            variant.remat.tensors[name] = ""
+    for line in lines:
+        key, _, value = line.partition("=")
+        apply_override(variant, key, value)
+    validate(variant)
+    return variant
+
+
+def main(argv):
+    from MaxOffload.aot import _take_option, plugin_missing
+
+    confirm = "--no_confirm" not in argv  # the CLI always plans afresh; resolve() caches for train.py/aot
+    argv = [a for a in argv if a != "--no_confirm"]
+    target, argv = _take_option(argv, "--target")
+    topology, argv = _take_option(argv, "--topology")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only GPU devices
+    from MaxOffload import xla
+    from MaxOffload.config import ConfigError, load
+
+    try:
+        overrides = [f"aot.target={target}"] * bool(target) + [f"aot.topology={topology}"] * bool(topology)
+        cfg = load(argv + overrides)
+        missing = plugin_missing()
+        if missing:
+            raise ConfigError(missing)
+        xla.apply(cfg)
+        result = plan(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(result))
+    fits = result.hbm_bytes() <= result.machine.hbm_usable and (
+        result.compiled_hbm is None or result.compiled_hbm <= result.machine.hbm_usable)
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

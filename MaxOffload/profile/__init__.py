@@ -1,0 +1,1 @@
+"""Step-window profiling (XProf / Nsight Systems) and the copy/compute overlap report."""

@@ -1,0 +1,121 @@
+"""How much of the offload copies hide under compute, per step of a captured trace.
+
+    python -m MaxOffload.profile.overlap TRACE_DIR [--json] [--device NAME]
+
+TRACE_DIR: a run's profile directory (<run.output_dir>/profile, written by profile.mode=xprof) or any
+jax.profiler trace directory. Prints per step: compute time, device->host and host->device copy time
+and bytes, the fraction of copy time hidden under compute, collectives and their overlap, the exposed
+(un-hidden) time and the largest exposed copies; then a one-paragraph verdict. --json prints the same
+as JSON. Exit status: 0 a report, 2 no trace there.
+"""
+import argparse
+import json
+import sys
+
+from MaxOffload.profile import timeline, trace
+
+
+def report(trace_dir, device=None):
+    """{"module", "device", "markers", "steps": [analysis per step], "mean": analysis averaged over steps}."""
+    found = trace.read_steps(trace_dir, device)
+    steps = [timeline.analyse(events) for events in found["steps"]]
+    return {"trace_dir": trace_dir, "module": found["module"], "device": found["device"],
+            "markers": found["markers"], "steps": steps, "mean": mean(steps)}
+
+
+def mean(steps):
+    """Average of step analyses (numbers averaged, fractions recomputed, exposed copies pooled)."""
+    if not steps:
+        return None
+
+    def avg(values):
+        return sum(values) / len(steps)
+
+    out = {"span_s": avg(s["span_s"] for s in steps), "compute_s": avg(s["compute_s"] for s in steps),
+           "exposed_s": avg(s["exposed_s"] for s in steps)}
+    for kind in ("d2h", "h2d", "collective", "copy"):
+        part = {key: avg(s[kind][key] for s in steps) for key in ("time_s", "hidden_s", "exposed_s", "bytes")}
+        part["hidden_fraction"] = part["hidden_s"] / part["time_s"] if part["time_s"] else None
+        out[kind] = part
+    pooled = {}
+    for s in steps:
+        for item in s["largest_exposed"]:
+            key = (item["name"], item["kind"])
+            pooled[key] = pooled.get(key, 0.0) + item["exposed_s"] / len(steps)
+    out["largest_exposed"] = [{"name": n, "kind": k, "exposed_s": v}
+                              for (n, k), v in sorted(pooled.items(), key=lambda kv: -kv[1])[:5]]
+    return out
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _gb(n):
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def _pct(fraction):
+    return "-" if fraction is None else f"{fraction * 100:.0f}%"
+
+
+def verdict(result):
+    """One paragraph: how much of the offload copies (and collectives) hide, and what is exposed."""
+    m = result["mean"]
+    if m is None:
+        return (f"overlap: no device ops of an XLA program found in {result['trace_dir']} (was the window empty, "
+                "or the trace taken on a backend this reader does not know?)")
+    steps = f"{len(result['steps'])} step(s) of {result['module']} on {result['device']}"
+    copy, coll = m["copy"], m["collective"]
+    if copy["time_s"] == 0:
+        text = (f"overlap ({steps}): no host<->device copies in the trace (on CPU offloaded tensors are simply kept; "
+                f"copies show on a GPU); compute {_ms(m['compute_s'])}/step of {_ms(m['span_s'])}")
+    else:
+        text = (f"overlap ({steps}): {_pct(copy['hidden_fraction'])} of {_gb(copy['bytes'])}/step of offload "
+                f"copies hidden (d2h {_ms(m['d2h']['time_s'])}, h2d {_ms(m['h2d']['time_s'])} per step); "
+                f"exposed {_ms(m['exposed_s'])}/step")
+        if m["largest_exposed"]:
+            text += ", mostly " + ", ".join(f"{e['name']} ({e['kind']}, {_ms(e['exposed_s'])})"
+                                             for e in m["largest_exposed"][:2])
+    if coll["time_s"]:
+        text += f"; collectives {_ms(coll['time_s'])}/step, {_pct(coll['hidden_fraction'])} under compute"
+    return text + "."
+
+
+def format_table(result):
+    rows = [f"{'step':>4} {'span':>10} {'compute':>10} {'d2h':>10} {'d2h bytes':>10} {'h2d':>10} {'h2d bytes':>10} "
+            f"{'copy hid':>8} {'coll':>10} {'coll hid':>8} {'exposed':>10}"]
+    labels = result["markers"] if len(result["markers"]) == len(result["steps"]) else \
+        range(1, len(result["steps"]) + 1)
+    for label, s in zip(labels, result["steps"]):
+        rows.append(f"{label:>4} {_ms(s['span_s']):>10} {_ms(s['compute_s']):>10} {_ms(s['d2h']['time_s']):>10} "
+                    f"{_gb(s['d2h']['bytes']):>10} {_ms(s['h2d']['time_s']):>10} {_gb(s['h2d']['bytes']):>10} "
+                    f"{_pct(s['copy']['hidden_fraction']):>8} {_ms(s['collective']['time_s']):>10} "
+                    f"{_pct(s['collective']['hidden_fraction']):>8} {_ms(s['exposed_s']):>10}")
+    if result["mean"] and result["mean"]["largest_exposed"]:
+        rows.append("largest exposed copies (per step): " + "; ".join(
+            f"{e['name']} {e['kind']} {_ms(e['exposed_s'])}" for e in result["mean"]["largest_exposed"]))
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace_dir")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--device", default=None, help="device to analyse (default: the first found)")
+    args = parser.parse_args(argv)
+    try:
+        result = report(args.trace_dir, args.device)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**result, "verdict": verdict(result)}, indent=1))
+    else:
+        print(format_table(result))
+        print(verdict(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

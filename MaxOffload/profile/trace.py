@@ -1,0 +1,141 @@
+"""Reads a jax.profiler trace (XPlane, `<dir>/plugins/profile/<run>/<host>.xplane.pb`) into timeline events.
+
+Device work is found where each backend puts it:
+  GPU: planes `/device:GPU:N`, lines `Stream #N(...)` (kernels, memcpys carrying their bytes in stats);
+  CPU: the host plane's runtime threads, events carrying an `hlo_op` stat (one per XLA op / thunk),
+       tagged with `device_ordinal` and `run_id` (one id per execution of a program).
+Only the program with the most device time in the window (the training step) is kept, one device.
+"""
+import collections
+import glob
+import os
+import re
+
+from MaxOffload.offload.names import VOCABULARY
+from MaxOffload.profile.timeline import COLLECTIVE, COMPUTE, D2H, H2D, OTHER, Event
+
+_COLLECTIVE = re.compile(r"all[-_]?gather|reduce[-_]?scatter|all[-_]?reduce|all[-_]?to[-_]?all|"
+                         r"collective[-_]?permute|nccl|send|recv", re.I)
+_D2H = re.compile(r"d2h|dtoh|device.?to.?host|memcpyd2h", re.I)
+_H2D = re.compile(r"h2d|htod|host.?to.?device|memcpyh2d", re.I)
+_BYTES = re.compile(r"(?:size|num_bytes|bytes)[:=]\s*(\d+)")
+_TENSOR = re.compile("|".join(sorted(VOCABULARY, key=len, reverse=True)))
+
+
+def find_xplanes(trace_dir):
+    """The .xplane.pb files of the newest capture under trace_dir (a run dir, or a parent of plugins/)."""
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return []
+    newest = max(os.path.dirname(f) for f in files)  # run dirs are named by timestamp
+    return sorted(f for f in files if os.path.dirname(f) == newest)
+
+
+def classify(line_name, name):
+    """compute | d2h | h2d | collective | other, from the line (stream) and the event name."""
+    text = f"{line_name} {name}"
+    if "memcpy" in text.lower() or "copy-start" in name or "copy-done" in name:
+        if _D2H.search(text):
+            return D2H
+        if _H2D.search(text):
+            return H2D
+        return OTHER if "memcpy" in text.lower() else COMPUTE
+    if _COLLECTIVE.search(name):
+        return COLLECTIVE
+    return COMPUTE
+
+
+def _bytes(stats):
+    for key, value in stats.items():
+        if key in ("bytes", "num_bytes", "bytes_transferred", "memcpy_bytes") and isinstance(value, (int, float)):
+            return int(value)
+        if isinstance(value, str) and ("memcpy" in key or "details" in key):
+            match = _BYTES.search(value)
+            if match:
+                return int(match.group(1))
+    return 0
+
+
+def _label(name, stats):
+    """The HLO op name, with the offloaded tensor's name when any stat mentions one."""
+    op = stats.get("hlo_op") or name
+    for value in stats.values():
+        match = isinstance(value, str) and _TENSOR.search(value)
+        if match:
+            return f"{match.group(0)} ({op})"
+    return str(op)
+
+
+def _raw_events(xplane_files):
+    """(device, step key, module, Event) for every device event; step key: run_id / group_id or None."""
+    from jax.profiler import ProfileData
+
+    for path in xplane_files:
+        host = os.path.basename(path).split(".xplane.pb")[0]
+        for plane in ProfileData.from_file(path).planes:
+            gpu = plane.name.startswith("/device:GPU")
+            if not gpu and not plane.name.startswith("/host:CPU"):
+                continue
+            lines = list(plane.lines)
+            if gpu and any(line.name.startswith("Stream #") for line in lines):
+                lines = [line for line in lines if line.name.startswith("Stream #")]
+            for line in lines:
+                for event in line.events:
+                    stats = dict(event.stats)
+                    if not gpu and "hlo_op" not in stats:
+                        continue  # host-side runtime work, not an XLA op
+                    device = plane.name if gpu else f"{host}/cpu:{stats.get('device_ordinal', 0)}"
+                    step = stats.get("run_id", stats.get("group_id"))
+                    start = float(event.start_ns)
+                    yield device, step, stats.get("hlo_module", ""), Event(
+                        line=f"{plane.name}/{line.name}", start=start, end=start + float(event.duration_ns),
+                        kind=classify(line.name, str(stats.get("hlo_op") or event.name)),
+                        name=_label(event.name, stats), bytes=_bytes(stats))
+
+
+def step_markers(xplane_files, name="train"):
+    """Step numbers of the StepTraceAnnotation(name, step_num=N) markers in the trace, in order."""
+    from jax.profiler import ProfileData
+
+    steps = []
+    for path in xplane_files:
+        for plane in ProfileData.from_file(path).planes:
+            for line in plane.lines:
+                for event in line.events:
+                    if event.name == name:
+                        stats = dict(event.stats)
+                        if "step_num" in stats:
+                            steps.append(int(stats["step_num"]))
+    return sorted(set(steps))
+
+
+def read_steps(trace_dir, device=None):
+    """{"module", "device", "steps": [[Event] per execution of the step program]} of one device.
+
+    Executions are told apart by run_id / group_id; without either, the window is one group."""
+    files = find_xplanes(trace_dir)
+    if not files:
+        raise FileNotFoundError(f"no .xplane.pb under {trace_dir}; capture one with profile.mode=xprof")
+    raw = list(_raw_events(files))
+    if not raw:
+        return {"module": None, "device": None, "steps": [], "markers": step_markers(files)}
+    devices = sorted({d for d, *_ in raw})
+    device = device if device is not None else devices[0]
+    raw = [r for r in raw if r[0] == device]
+    time_by_module = collections.Counter()
+    for _, _, module, event in raw:
+        time_by_module[module] += event.end - event.start
+    module = time_by_module.most_common(1)[0][0]
+    groups = collections.defaultdict(list)
+    for _, step, event_module, event in raw:
+        if event_module == module or not event_module:
+            groups[step].append(event)
+    if None in groups and len(groups) > 1:  # events without an id: to the execution whose span holds them
+        loose = groups.pop(None)
+        spans = {key: (min(e.start for e in g), max(e.end for e in g)) for key, g in groups.items()}
+        for event in loose:
+            key = min(spans, key=lambda k: 0 if spans[k][0] <= event.start <= spans[k][1]
+                      else min(abs(event.start - spans[k][0]), abs(event.start - spans[k][1])))
+            groups[key].append(event)
+    steps = sorted(groups.values(), key=lambda g: min(e.start for e in g))
+    return {"module": module, "device": device, "steps": steps, "markers": step_markers(files)}

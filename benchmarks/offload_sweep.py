@@ -1,0 +1,209 @@
+"""Policy x XLA-preset sweep: python benchmarks/offload_sweep.py CONFIG [overrides] --output_dir DIR
+                                   [--target gb200 --topology 2x16x4] [--steps 5] [--variants remat,auto]
+
+Variants (each in its own process: XLA_FLAGS must be set before the backend starts):
+  remat                      remat.policy=full,          xla.preset=baseline
+  offload                    the config's own policy if it offloads, else minimal_offloaded, baseline
+  offload+lhs                same,                       xla.preset=lhs
+  offload+lhs+pipelined      same,                       xla.preset=lhs_pipelined_offload
+  auto                       remat.policy=auto (the planner), xla.preset=lhs_pipelined_offload
+On a GPU: measured step time (median of --steps after one warm-up), TFLOP/s per device and peak memory.
+On a CPU machine with --target: the deviceless compile's HBM/host figures per device and the planner's
+predicted TFLOP/s (no measurement: XLA:CPU ignores the GPU presets and keeps offloaded tensors).
+On a CPU machine without --target: measured CPU step times (presets have no effect there).
+Prints a table (TFLOP/s/device and speed-up over remat), writes DIR/offload_sweep.csv and .png.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+VARIANTS = {
+    "remat": ("full", "baseline"),
+    "offload": ("OFFLOAD", "baseline"),
+    "offload+lhs": ("OFFLOAD", "lhs"),
+    "offload+lhs+pipelined": ("OFFLOAD", "lhs_pipelined_offload"),
+    "auto": ("auto", "lhs_pipelined_offload"),
+}
+
+# One variant, in a child process: prints one JSON line.
+_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, os.getcwd())
+argv, target, topology, steps = json.loads(sys.argv[1])
+from MaxOffload import xla
+from MaxOffload.config import load
+cfg = load(argv)
+xla.apply(cfg)
+from MaxOffload.offload import planner
+from MaxOffload import models
+from MaxOffload.train import flops
+row = {}
+if target:
+    cfg = planner.resolve(cfg, target, topology, log=lambda *a: None)
+    devices = planner._target_devices(target, topology)
+    hbm, host = planner.compiled_memory(cfg, devices)
+    result = planner.plan(cfg, target, topology, confirm=False, log=lambda *a: None)
+    chosen = {}
+    for seg in models.remat_segments(cfg):
+        for name, d in seg.decisions:
+            chosen[(seg.model_group, name)] = d
+    result.decisions = {(c.group, c.name): chosen.get((c.group, c.name), "remat") for c in result.candidates}
+    row.update(mode="deviceless", hbm_gib=hbm / 2**30, host_gib=host / 2**30,
+               tflops_per_device=result.tflops_per_device(), step_s=result.step_time(), measured=False)
+else:
+    import jax
+    from MaxOffload.parallel import logical
+    from MaxOffload.train.step import TrainSetup
+    cfg = planner.resolve(cfg, log=lambda *a: None)
+    setup = TrainSetup(cfg)
+    state = setup.init_state()
+    batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
+    step = setup.jitted_train_step()
+    with logical.activate(setup.mesh, setup.rules):
+        compiled = step.lower(state, batch).compile()
+        state, m = step(state, batch); jax.block_until_ready(m)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter(); state, m = step(state, batch); jax.block_until_ready(m)
+            times.append(time.perf_counter() - t)
+    step_s = sorted(times)[len(times) // 2]
+    n = setup.mesh.size
+    f = flops.train_flops_per_step(models.model_config(cfg), cfg.train.per_device_batch_size * n, cfg.train.seq_len)
+    mem = compiled.memory_analysis()
+    stats = jax.devices()[0].memory_stats() or {}
+    row.update(mode=jax.devices()[0].platform, step_s=step_s, tflops_per_device=f / n / step_s / 1e12,
+               hbm_gib=(stats.get("peak_bytes_in_use") or mem.temp_size_in_bytes + mem.argument_size_in_bytes) / 2**30,
+               host_gib=mem.host_temp_size_in_bytes / 2**30, measured=True)
+row["policy"] = cfg.remat.policy
+print("ROW " + json.dumps(row))
+"""
+
+
+def _take(argv, name, default=None):
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return default, argv
+
+
+def offload_policy(argv):
+    """The config's own policy if it offloads anything, else minimal_offloaded."""
+    from MaxOffload.config import load
+
+    cfg = load(argv)
+    if cfg.remat.policy not in ("auto",):
+        from MaxOffload import models
+
+        if any(d == "offload" for seg in models.remat_segments(cfg) for _, d in seg.decisions):
+            return []
+    return ["remat.policy=minimal_offloaded"] + [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
+
+
+def variant_argv(argv, name):
+    policy, preset = VARIANTS[name]
+    extra = offload_policy(argv) if policy == "OFFLOAD" else [f"remat.policy={policy}"]
+    if policy in ("full", "auto"):
+        from MaxOffload.config import load
+
+        cfg = load(argv)
+        extra += [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
+        if cfg.remat.groups:
+            raise SystemExit(f"error: {argv[0]} has remat.groups; the '{name}' variant needs a config without them")
+    return argv + extra + [f"xla.preset={preset}"]
+
+
+def main(argv):
+    os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", ""))
+    output_dir, argv = _take(argv, "--output_dir", "runs/offload_sweep")
+    target, argv = _take(argv, "--target")
+    topology, argv = _take(argv, "--topology", "1x1x4")
+    steps, argv = _take(argv, "--steps", "5")
+    names, argv = _take(argv, "--variants", ",".join(VARIANTS))
+    if not argv:
+        print(__doc__)
+        return 2
+    from MaxOffload.config import ConfigError
+
+    rows = []
+    try:
+        plans = {name: variant_argv(argv, name) for name in names.split(",")}
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if target else {}))
+    for name, child_argv in plans.items():
+        print(f"{name}: {' '.join(child_argv[1:])}", flush=True)
+        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([child_argv, target, topology, int(steps)])],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
+        if line is None:
+            tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"  failed: {tail}", flush=True)
+            rows.append({"variant": name, "error": tail})
+            continue
+        rows.append({"variant": name, **json.loads(line[4:])})
+    base = next((r for r in rows if r["variant"] == "remat" and "error" not in r), None)
+    for r in rows:
+        if "error" not in r and base:
+            r["speedup_vs_remat"] = r["tflops_per_device"] / base["tflops_per_device"]
+    os.makedirs(output_dir, exist_ok=True)
+    print(format_table(rows, target))
+    write_csv(rows, os.path.join(output_dir, "offload_sweep.csv"))
+    plot(rows, os.path.join(output_dir, "offload_sweep.png"), target)
+    print(f"wrote {output_dir}/offload_sweep.csv and offload_sweep.png")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def format_table(rows, target):
+    kind = "predicted (cost model), memory from the deviceless compile" if target else "measured"
+    lines = [f"TFLOP/s per device: {kind}",
+             f"  {'variant':<24} {'TFLOP/s/dev':>12} {'vs remat':>9} {'step':>10} {'HBM GiB':>9} {'host GiB':>9}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['variant']:<24} failed: {r['error']}")
+            continue
+        lines.append(f"  {r['variant']:<24} {r['tflops_per_device']:>12,.3f} {r.get('speedup_vs_remat', 0):>8.2f}x "
+                     f"{r['step_s'] * 1e3:>8.1f}ms {r['hbm_gib']:>9.2f} {r['host_gib']:>9.2f}")
+    return "\n".join(lines)
+
+
+FIELDS = ["variant", "policy", "mode", "measured", "step_s", "tflops_per_device", "speedup_vs_remat", "hbm_gib",
+          "host_gib", "error"]
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows, path, target):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar([r["variant"] for r in ok], [r["tflops_per_device"] for r in ok], color="tab:blue")
+    for bar, r in zip(bars, ok):
+        ax.annotate(f"{r.get('speedup_vs_remat', 1):.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    ax.set_ylabel("TFLOP/s per device" + (" (predicted)" if target else ""))
+    ax.set_title("offload sweep" + (f" ({target}, deviceless)" if target else ""))
+    plt.setp(ax.get_xticklabels(), rotation=15)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

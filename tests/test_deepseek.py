@@ -1,0 +1,558 @@
+"""DeepSeek-V3: YaRN, MLA, the DeepSeekMoE router and dispatch, expert parallelism on 8 simulated devices,
+per-group offload, tagged names, the parameter count, FLOPs and a training run. Every check is against an
+independent reference written here (numpy loops, brute force, hand arithmetic)."""
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import ROOT
+from MaxOffload import models
+from MaxOffload.config import ConfigError, load
+from MaxOffload.models import deepseek, moe
+from MaxOffload.train.flops import train_flops_per_step
+
+EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+TINY = "configs/deepseek_v3.py:tiny"
+PUBLISHED_671B = 671.0e9  # the main model; the released checkpoint adds a 14B MTP module (685B)
+# two processes, one per core: dropless and capacity mode, each against its single-device reference
+EP_RUNS = {
+    "single": ["single"],
+    "expert8": ["mesh.ici.expert=8", "mesh.ici.fsdp=1"],
+    "expert4_fsdp2": ["mesh.ici.expert=4", "mesh.ici.fsdp=2"],
+}
+EP_CAPACITY_RUNS = {
+    "single_capacity": ["single", "model.capacity_factor=1.0"],
+    "expert2_fsdp2_tensor2_capacity": ["mesh.ici.expert=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2",
+                                       "model.capacity_factor=1.0"],
+}
+TRAIN_STEPS = 40
+
+
+# --------------------------------------------------------------------------------------------
+# the slow parts (subprocesses) start when the module starts and run beside the in-process tests
+
+
+class Background:
+    def __init__(self, tmp):
+        self.tmp, self.procs = tmp, {}
+
+    def start(self, name, args, env=None):
+        out = open(os.path.join(self.tmp, f"{name}.out"), "w")
+        err = open(os.path.join(self.tmp, f"{name}.err"), "w")
+        self.procs[name] = (subprocess.Popen([sys.executable, *args], cwd=ROOT, env=dict(os.environ, **(env or {})),
+                                             stdout=out, stderr=err, text=True), out, err)
+
+    def result(self, name, timeout=600):
+        proc, out, err = self.procs[name]
+        proc.wait(timeout=timeout)
+        out.close(), err.close()
+        read = lambda ext: open(os.path.join(self.tmp, f"{name}.{ext}")).read()  # noqa: E731
+        return proc.returncode, read("out"), read("err")
+
+
+@pytest.fixture(scope="module")
+def background(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("deepseek"))
+    jobs = Background(tmp)
+    helper = os.path.join(ROOT, "tests", "helpers", "deepseek_mesh_losses.py")
+    jobs.start("ep", [helper, json.dumps(EP_RUNS)], EIGHT)
+    jobs.start("ep_capacity", [helper, json.dumps(EP_CAPACITY_RUNS)], EIGHT)
+    jobs.start("recipe_128", ["train.py", "configs/deepseek_v3_offload.py:671b", "run.dry_run=true",
+                              f"run.output_dir={tmp}/recipe"],
+               {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=128"})
+    jobs.start("inspect", ["-m", "MaxOffload.offload.inspect", TINY, "remat.groups.m.layers=moe",
+                           "remat.groups.m.tensors.moe_mlpwi_0=offload", "remat.groups.m.tensors.moe_mlpwi_1=offload",
+                           "train.seq_len=32", "train.per_device_batch_size=2", f"run.output_dir={tmp}/inspect",
+                           "--no_cpu_memory"])
+    jobs.start("train", ["train.py", TINY, f"train.steps={TRAIN_STEPS}", "train.seq_len=64",
+                         "train.per_device_batch_size=8", "train.eval_every=0", "train.eval_batches=1",
+                         f"run.output_dir={tmp}/train"])
+    jobs.tmp = tmp
+    return jobs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _start_background(background):
+    yield
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def tiny_config(**overrides):
+    cfg = load([TINY, "model.compute_dtype=float32"])
+    cfg.model.update(overrides)
+    return cfg
+
+
+def rand(rng, *shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def ref_rope(x, positions, inv_freq):
+    """Rotate-half RoPE in float64; x [b, l, h, d]."""
+    half = x.shape[-1] // 2
+    angles = positions[:, :, None, None] * inv_freq[None, None, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
+
+
+def ref_rms_norm(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+# --------------------------------------------------------------------------------------------
+# 1. YaRN
+
+
+def ref_yarn(dim, base, factor, orig, beta_fast, beta_slow):
+    """DeepSeek-V3's YaRN (its Hugging Face modeling code), element by element."""
+    def correction_dim(rotations):
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i in range(dim // 2):
+        extra = 1.0 / base ** (2 * i / dim)
+        inter = extra / factor
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(inter * ramp + extra * (1 - ramp))
+    return np.array(out), low, high
+
+
+@pytest.mark.parametrize("dim,base,factor,orig", [(64, 10000.0, 40.0, 4096), (8, 10000.0, 4.0, 32),
+                                                  (16, 500000.0, 8.0, 8192)])
+def test_yarn_frequencies_match_reference(dim, base, factor, orig):
+    ref, low, high = ref_yarn(dim, base, factor, orig, 32.0, 1.0)
+    got = deepseek.yarn_inv_freq(dim, base, factor, orig, 32.0, 1.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    unscaled = 1.0 / base ** (np.arange(0, dim, 2) / dim)
+    if dim == 64:  # DeepSeek-V3: all three regimes occur
+        assert 0 < low < high < dim // 2
+        np.testing.assert_allclose(got[:low], unscaled[:low], rtol=1e-6)  # fast: kept
+        np.testing.assert_allclose(got[high:], unscaled[high:] / factor, rtol=1e-6)  # slow: interpolated
+
+
+def test_deepseek_v3_attention_scale_and_rope_amplitude():
+    c = models.model_config(load(["configs/deepseek_v3.py:671b"]))
+    _, amplitude, scale = deepseek.rope_setup(c)
+    assert amplitude == 1.0  # mscale == mscale_all_dim
+    assert scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(128 + 64), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Multi-head latent attention
+
+
+def test_mla_matches_naive_reference():
+    rng = np.random.default_rng(0)
+    b, l, d, h, ql, kl, nope, rope, vd = 2, 7, 24, 3, 12, 10, 8, 6, 5
+    inv_freq = deepseek.yarn_inv_freq(rope, 10000.0, 4.0, 4, 32.0, 1.0)
+    mla = deepseek.MLA(emb_dim=d, num_heads=h, q_lora_rank=ql, kv_lora_rank=kl, qk_nope_head_dim=nope,
+                       qk_rope_head_dim=rope, v_head_dim=vd, inv_freq=inv_freq, rope_amplitude=1.3,
+                       softmax_scale=0.37, norm_eps=1e-6, param_dtype=jnp.float32, compute_dtype=jnp.float32,
+                       init_std=0.3, rngs=nnx.Rngs(params=1))
+    mla.q_norm.scale[...] = jnp.asarray(rand(rng, ql)) + 1
+    mla.kv_norm.scale[...] = jnp.asarray(rand(rng, kl)) + 1
+    x = rand(rng, b, l, d)
+    positions = np.stack([np.arange(l), np.arange(l) + 5])
+    got = np.asarray(jax.jit(lambda x, p: mla(x, p))(jnp.asarray(x), jnp.asarray(positions, jnp.int32)))
+
+    w = {k: np.asarray(getattr(mla, k)[...], np.float64) for k in ("wq_a", "wq_b", "wkv_a", "wk_b", "wv_b", "wo")}
+    x = x.astype(np.float64)
+    q = np.einsum("blr,rhd->blhd", ref_rms_norm(x @ w["wq_a"], np.asarray(mla.q_norm.scale[...]), 1e-6), w["wq_b"])
+    kv = x @ w["wkv_a"]
+    latent = ref_rms_norm(kv[..., :kl], np.asarray(mla.kv_norm.scale[...]), 1e-6)
+    k_rope = 1.3 * ref_rope(kv[:, :, None, kl:], positions, inv_freq.astype(np.float64))[:, :, 0]  # [b, l, rope]
+    out = np.zeros((b, l, h, vd))
+    for bi, head, t in itertools.product(range(b), range(h), range(l)):
+        q_t = np.concatenate([q[bi, t, head, :nope],
+                              1.3 * ref_rope(q[None, None, None, bi, t, head, nope:], positions[bi:bi + 1, t:t + 1],
+                                             inv_freq.astype(np.float64))[0, 0, 0]])
+        keys = [np.concatenate([latent[bi, s] @ w["wk_b"][:, head], k_rope[bi, s]]) for s in range(t + 1)]
+        values = [latent[bi, s] @ w["wv_b"][:, head] for s in range(t + 1)]
+        logits = np.array([q_t @ key for key in keys]) * 0.37
+        p = np.exp(logits - logits.max())
+        out[bi, t, head] = (p / p.sum()) @ np.array(values)
+    ref = np.einsum("blhd,hde->ble", out, w["wo"])
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. router
+
+
+def brute_force_group_top_k(scores, top_k, n_groups, topk_groups):
+    """For one token: try every set of topk_groups groups, keep the one with the highest sum of group ranks."""
+    per = len(scores) // n_groups
+    rank = [sum(sorted(scores[g * per:(g + 1) * per])[-2:]) for g in range(n_groups)]
+    best = max(itertools.combinations(range(n_groups), topk_groups), key=lambda gs: sum(rank[g] for g in gs))
+    allowed = [e for g in best for e in range(g * per, (g + 1) * per)]
+    return set(sorted(allowed, key=lambda e: -scores[e])[:top_k])
+
+
+@pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(16, 3, 4, 2), (12, 4, 3, 1), (8, 2, 8, 3),
+                                                              (10, 3, 1, 1)])
+def test_group_limited_top_k_matches_brute_force(experts, top_k, groups, topk_groups):
+    scores = np.random.default_rng(experts + top_k).standard_normal((50, experts)).astype(np.float32)
+    got = np.asarray(moe.group_limited_top_k(jnp.asarray(scores), top_k, groups, topk_groups))
+    for t in range(len(scores)):
+        assert set(got[t].tolist()) == brute_force_group_top_k(scores[t], top_k, groups, topk_groups), t
+
+
+def test_router_sigmoid_scores_bias_selects_gates_unbiased():
+    rng = np.random.default_rng(1)
+    x, w = rand(rng, 2, 5, 16), rand(rng, 16, 8, scale=0.5)
+    bias = np.zeros(8, np.float32)
+    bias[6] = 10.0  # expert 6 wins every selection, whatever its score
+    experts, gates, scores = moe.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), top_k=3, n_groups=1,
+                                       topk_groups=1, scaling=2.5)
+    ref_scores = sigmoid(x.astype(np.float64) @ w)
+    np.testing.assert_allclose(np.asarray(scores), ref_scores, rtol=1e-5)
+    experts, gates = np.asarray(experts), np.asarray(gates)
+    for b, t in itertools.product(range(2), range(5)):
+        s = ref_scores[b, t]
+        want = [6] + [e for e in np.argsort(-s) if e != 6][:2]
+        assert set(experts[b, t].tolist()) == set(want)
+        # gates: the chosen experts' unbiased scores, normalised, x routed_scaling_factor
+        np.testing.assert_allclose(gates[b, t], s[experts[b, t]] / s[experts[b, t]].sum() * 2.5, rtol=1e-5)
+    # the bias never receives a gradient: it only selects
+    grad = jax.grad(lambda bias: moe.route(jnp.asarray(x), jnp.asarray(w), bias, top_k=3, n_groups=1, topk_groups=1,
+                                           scaling=2.5)[1].sum())(jnp.asarray(bias))
+    assert float(jnp.abs(grad).max()) == 0.0
+
+
+def test_bias_update_sign_rule():
+    load = jnp.array([[5.0, 1.0, 3.0, 3.0], [2.0, 2.0, 2.0, 2.0]])
+    bias = jnp.array([[0.1, 0.0, -0.2, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    new = np.asarray(moe.updated_bias(bias, load, 0.001))
+    np.testing.assert_allclose(new, [[0.099, 0.001, -0.2, 0.0], [0, 0, 0, 0]], rtol=1e-6, atol=1e-9)
+
+
+def test_sequence_balance_loss_by_hand():
+    scores = np.array([[[0.9, 0.1, 0.5, 0.5], [0.2, 0.8, 0.4, 0.6]]], np.float32)  # 1 sequence, 2 tokens
+    experts = np.array([[[0, 2], [1, 3]]])
+    # f_i = E / (k L) * count = 4 / 4 * 1 for every expert; P_i = mean over tokens of normalised scores
+    p = (scores[0] / scores[0].sum(-1, keepdims=True)).mean(0)
+    assert float(moe.sequence_balance_loss(jnp.asarray(scores), jnp.asarray(experts))) == pytest.approx(p.sum())
+
+
+# --------------------------------------------------------------------------------------------
+# 4. routed experts: dropless and capacity
+
+
+def make_moe(rng_seed=0, capacity_factor=0.0, num_shared=1, **kw):
+    args = dict(emb_dim=16, num_experts=6, top_k=2, mlp_dim=12, num_shared=num_shared, n_groups=1, topk_groups=1,
+                scaling=2.5, capacity_factor=capacity_factor, param_dtype=jnp.float32, compute_dtype=jnp.float32,
+                init_std=0.3)
+    args.update(kw)
+    return moe.MoE(**args, rngs=nnx.Rngs(params=rng_seed))
+
+
+def ref_moe(layer, x):
+    """Per token: route (numpy), then the chosen experts one by one, plus the shared expert."""
+    w = lambda p: np.asarray(p[...], np.float64)  # noqa: E731
+    router, bias, wi_0, wi_1, wo = (w(layer.router), w(layer.router_bias), w(layer.wi_0), w(layer.wi_1), w(layer.wo))
+    out = np.zeros(x.shape)
+    for b, t in itertools.product(range(x.shape[0]), range(x.shape[1])):
+        xt = x[b, t].astype(np.float64)
+        s = sigmoid(xt @ router)
+        chosen = np.argsort(-(s + bias))[:layer.top_k]
+        gates = s[chosen] / s[chosen].sum() * layer.scaling
+        for e, g in zip(chosen, gates):
+            out[b, t] += g * (silu(xt @ wi_0[e]) * (xt @ wi_1[e])) @ wo[e]
+        if layer.shared is not None:
+            sh = layer.shared
+            out[b, t] += (silu(xt @ w(sh.wi_0)) * (xt @ w(sh.wi_1))) @ w(sh.wo)
+    return out
+
+
+def test_dropless_moe_matches_loop_over_tokens_and_experts():
+    layer = make_moe()
+    layer.router_bias[...] = jnp.asarray(np.random.default_rng(5).standard_normal(6), jnp.float32) * 0.1
+    x = rand(np.random.default_rng(2), 3, 5, 16)
+    out, stats = jax.jit(lambda x: layer(x))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
+    assert float(stats["load"].sum()) == 3 * 5 * 2 and float(stats["dropped"]) == 0
+
+
+def test_dropless_gradients_match_dense_reference():
+    """Gradients through sort + ragged_dot == gradients of every expert on every token, masked by the routing."""
+    layer = make_moe(num_shared=0)
+    x = jnp.asarray(rand(np.random.default_rng(3), 2, 4, 16))
+    experts, gates, _ = moe.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
+                                  scaling=2.5)
+
+    def dense(x, gates, wi_0, wi_1, wo):
+        h = jax.nn.silu(jnp.einsum("bld,edm->blem", x, wi_0)) * jnp.einsum("bld,edm->blem", x, wi_1)
+        y = jnp.einsum("blem,emd->bled", h, wo)
+        weight = jnp.einsum("blk,blke->ble", gates, jax.nn.one_hot(experts, 6))
+        return jnp.einsum("bled,ble->bld", y, weight)
+
+    def sparse(x, gates, wi_0, wi_1, wo):
+        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0)
+
+    target = jnp.asarray(rand(np.random.default_rng(4), 2, 4, 16))
+    args = (x, gates, layer.wi_0[...], layer.wi_1[...], layer.wo[...])
+    grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * target), argnums=(0, 1, 2, 3, 4)))(*args)
+             for f in (dense, sparse)]
+    for g_dense, g_sparse in zip(*grads):
+        np.testing.assert_allclose(np.asarray(g_sparse), np.asarray(g_dense), rtol=1e-4, atol=1e-6)
+
+
+def test_capacity_mode_drops_later_tokens_and_counts_them():
+    rng = np.random.default_rng(6)
+    b, l, k, e, d, m, capacity = 2, 9, 2, 4, 8, 6, 3
+    x = rand(rng, b, l, d)
+    experts = np.stack([rng.permutation(e)[:k] for _ in range(b * l)]).reshape(b, l, k)
+    experts[0] = [[1, rng.choice([0, 2, 3])] for _ in range(l)]  # sequence 0: all want expert 1 -> 3 get it
+    gates = rand(rng, b, l, k) ** 2
+    wi_0, wi_1, wo = rand(rng, e, d, m), rand(rng, e, d, m), rand(rng, e, m, d)
+    positions = moe.capacity_positions(jnp.asarray(experts), e)
+    got = np.asarray(moe.routed_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(gates), positions,
+                                        jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity))
+    ref, dropped = np.zeros((b, l, d)), []
+    for bi in range(b):
+        taken = [0] * e  # per sequence: each expert takes the first `capacity` choices, in token then choice order
+        for t, c in itertools.product(range(l), range(k)):
+            ex = experts[bi, t, c]
+            if taken[ex] >= capacity:
+                dropped.append((bi, t, c))
+                continue
+            taken[ex] += 1
+            ref[bi, t] += gates[bi, t, c] * (silu(x[bi, t] @ wi_0[ex]) * (x[bi, t] @ wi_1[ex])) @ wo[ex]
+    assert (0, 3, 0) in dropped and (0, 2, 0) not in dropped
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert int(jnp.sum(positions >= capacity)) == len(dropped)
+
+
+def test_capacity_mode_statistics_count_dropped_choices():
+    layer = make_moe(capacity_factor=0.5)  # capacity = ceil(0.5 * 10 * 2 / 6) = 2 per expert and sequence
+    x = jnp.asarray(rand(np.random.default_rng(7), 3, 10, 16))
+    _, stats = layer(x)
+    experts, _, _ = moe.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
+                              scaling=2.5)
+    counts = np.stack([np.bincount(np.asarray(experts[b]).ravel(), minlength=6) for b in range(3)])
+    assert float(stats["dropped"]) == np.maximum(counts - 2, 0).sum() > 0
+    np.testing.assert_array_equal(np.asarray(stats["load"]), counts.sum(0))
+
+
+# --------------------------------------------------------------------------------------------
+# 5. the model: state, tagged names, configuration
+
+
+def test_model_state_is_the_router_biases_and_moves_against_the_load():
+    from MaxOffload.train.step import TrainSetup
+
+    cfg = tiny_config()
+    setup = TrainSetup(cfg)
+    state = jax.jit(setup._init)()
+    assert jax.tree.map(lambda a: a.shape, state["model_state"]) == {"moe_layers": {"mlp": {"router_bias": (2, 8)}}}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
+    logits, aux = jax.jit(setup.forward)(state["params"], state["model_state"], tokens)
+    assert logits.shape == (2, 16, 512)
+    new_bias = np.asarray(aux["model_state"]["moe_layers"]["mlp"]["router_bias"])
+    assert jax.tree.structure(aux["model_state"]) == jax.tree.structure(state["model_state"])
+    # recompute the loads: busier than average -> bias down by gamma, quieter -> up
+    assert set(np.round(new_bias.ravel() / cfg.model.router_bias_update_rate).tolist()) <= {-1.0, 0.0, 1.0}
+    assert {"moe/max_load", "moe/mean_bias_range", "moe/max_load_layer1", "moe/max_load_layer2",
+            "moe/bias_range_layer2", "moe/balance_loss"} <= set(aux["metrics"])
+    assert float(aux["aux_loss"]) == pytest.approx(1e-4 * 2 * float(aux["metrics"]["moe/balance_loss"]), rel=1e-5)
+
+
+def checkpoint_names(jaxpr):
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found |= checkpoint_names(sub)
+    return found
+
+
+def test_every_tagged_name_is_tagged_in_the_training_step():
+    from MaxOffload.parallel import logical
+    from MaxOffload.train.step import TrainSetup
+
+    setup = TrainSetup(tiny_config())
+    with logical.activate(setup.mesh, setup.rules):
+        jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
+    assert checkpoint_names(jaxpr.jaxpr) == set(deepseek.TAGGED_NAMES)
+    assert len(set(deepseek.TAGGED_NAMES)) == len(deepseek.TAGGED_NAMES)
+    assert models.FAMILIES["deepseek"].layer_groups(setup.model_config) == {"dense": (0, 1), "moe": (1, 3)}
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["model.num_experts_per_tok=9"], ["num_experts_per_tok=9", "num_experts=8"]),
+    (["model.n_groups=3"], ["num_experts=8", "n_groups=3"]),
+    (["model.topk_groups=5"], ["topk_groups=5", "n_groups=4"]),
+    (["model.num_experts_per_tok=5", "model.topk_groups=2"], ["num_experts_per_tok=5", "topk_groups"]),
+    (["model.first_k_dense=4"], ["first_k_dense=4"]),
+    (["model.capacity_factor=-1.0"], ["capacity_factor"]),
+    (["model.rope_scaling=llama3"], ["rope_scaling", "yarn"]),
+    (["remat.groups.d.layers=dense", "remat.groups.d.tensors.qkv_proj=offload"], ["qkv_proj", "deepseek"]),
+])
+def test_invalid_deepseek_config_is_one_clear_line(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load([TINY, *overrides])
+    message = str(e.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+# --------------------------------------------------------------------------------------------
+# 6. sizes and FLOPs
+
+
+def test_671b_parameter_count_by_hand():
+    cfg = load(["configs/deepseek_v3.py:671b"])
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: models.build(cfg)),
+                                                                       nnx.Param)))
+    d, vocab, heads = 7168, 129280, 128
+    mla = d * 1536 + 1536 + 1536 * heads * 192 + d * (512 + 64) + 512 + 512 * heads * 128 * 2 + heads * 128 * d
+    dense = 3 * d * 18432
+    moe_mlp = d * 256 + 256 * 3 * d * 2048 + 3 * d * 2048  # router, 256 routed, 1 shared
+    expected = 2 * vocab * d + d + 61 * (mla + 2 * d) + 3 * dense + 58 * moe_mlp
+    assert total == expected == 671_026_404_352
+    assert total == pytest.approx(PUBLISHED_671B, rel=0.001)
+
+
+def test_train_flops_by_hand():
+    cfg = tiny_config()
+    cfg.model.update(dict(vocab_size=100, emb_dim=8, num_layers=3, first_k_dense=1, mlp_dim=16, num_heads=2,
+                          q_lora_rank=4, kv_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=5,
+                          num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_mlp_dim=7, n_groups=1,
+                          topk_groups=1))
+    c = models.model_config(cfg)
+    # multiply-adds per token
+    q_down, q_up = 8 * 4, 4 * 2 * (3 + 2)  # 32, 40
+    kv_down, k_up, v_up = 8 * (6 + 2), 6 * 2 * 3, 6 * 2 * 5  # 64, 36, 60
+    out = 2 * 5 * 8  # 80
+    mla = q_down + q_up + kv_down + k_up + v_up + out  # 312
+    dense_mlp = 3 * 8 * 16  # 384
+    router = 8 * 4  # 32
+    experts = (2 + 1) * 3 * 8 * 7  # top-2 routed + 1 shared: 504
+    unembed = 8 * 100
+    macs = 3 * mla + dense_mlp + 2 * (router + experts) + unembed
+    assert macs == 936 + 384 + 1072 + 800 == 3192
+    assert c.matmul_params_per_token() == macs
+    batch, seq = 3, 5
+    tokens = batch * seq
+    attention = 6 * tokens * 3 * seq * 2 * ((3 + 2) + 5) / 2  # qk_dim = nope + rope, v_dim
+    assert train_flops_per_step(c, batch, seq) == pytest.approx(6 * tokens * macs + attention, rel=1e-12)
+    # every routed expert and router weight counted once per chosen expert, never all experts
+    model = nnx.eval_shape(lambda: models.build(cfg))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    all_experts = 2 * 4 * 3 * 8 * 7
+    assert all_experts == sum(math.prod(params["moe_layers"]["mlp"][w].shape) for w in ("wi_0", "wi_1", "wo"))
+
+
+def test_dry_run_671b(cli, tmp_path):
+    started = time.perf_counter()
+    result = cli(["train.py", "configs/deepseek_v3.py:671b", "run.dry_run=true", f"run.output_dir={tmp_path}"])
+    seconds = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    assert seconds < 60, f"dry run took {seconds:.0f} s"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["params_total"] == 671_026_404_352
+    assert summary["model_flops_per_step"] == pytest.approx(
+        6 * 4096 * models.model_config(load(["configs/deepseek_v3.py:671b"])).matmul_params_per_token()
+        + 6 * 4096 * 61 * 4096 * 128 * (192 + 128) / 2, rel=1e-9)
+
+
+def test_offload_recipe_fits_128_devices_fsdp16_ep8(background):
+    code, out, err = background.result("recipe_128")
+    assert code == 0, err
+    assert "fsdp=16 x expert=8" in out
+    summary = json.load(open(os.path.join(background.tmp, "recipe", "summary.json")))
+    # fp32 params + Adam: 12 bytes per parameter, split 128 ways (norms and router biases aside)
+    assert summary["state_bytes_per_device"] == pytest.approx(12 * 671.03e9 / 128, rel=0.01)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. expert parallelism, per-group offload, training
+
+
+@pytest.fixture(scope="module")
+def ep_runs(background):
+    runs = {}
+    for name in ("ep", "ep_capacity"):
+        code, out, err = background.result(name)
+        assert code == 0, err[-3000:]
+        runs.update(json.loads(out.strip().splitlines()[-1]))
+    return runs
+
+
+@pytest.mark.parametrize("name,reference", [("expert8", "single"), ("expert4_fsdp2", "single"),
+                                            ("expert2_fsdp2_tensor2_capacity", "single_capacity")])
+def test_expert_parallel_equals_single_device(ep_runs, name, reference):
+    run, ref = ep_runs[name], ep_runs[reference]
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for got, want in zip(run["metrics"], ref["metrics"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(run["router_bias"], ref["router_bias"], atol=1e-6)
+    assert np.abs(np.asarray(ref["router_bias"])).max() > 0  # the biases did move
+
+
+def test_expert_parallel_shards_the_experts(ep_runs):
+    # wi_0 is [moe layers, experts, emb, moe_mlp]: experts over `expert`, emb over fsdp, moe_mlp over tensor
+    assert ep_runs["expert8"]["wi_0_spec"] == ["None", "expert", "fsdp", "tensor"]
+    assert ep_runs["expert8"]["wi_0_shard_shape"] == [2, 1, 64, 32]
+    assert ep_runs["expert4_fsdp2"]["wi_0_shard_shape"] == [2, 2, 32, 32]
+    assert ep_runs["expert2_fsdp2_tensor2_capacity"]["wi_0_shard_shape"] == [2, 4, 32, 16]
+    assert ep_runs["single_capacity"]["metrics"][0]["moe/dropped_fraction"] > 0  # capacity 1.0 really drops
+
+
+def test_offload_in_moe_group_only(background):
+    code, out, err = background.result("inspect")
+    assert code == 0, out + err
+    report = json.load(open(os.path.join(background.tmp, "inspect", "offload_report.json")))
+    groups = {g["model_group"]: g for g in report["groups"].values()}
+    assert groups["dense"]["offloaded"] == []
+    assert sorted(groups["moe"]["offloaded"]) == ["moe_mlpwi_0", "moe_mlpwi_1"]
+    assert groups["moe"]["layers"] == [1, 2] and groups["moe"]["missing"] == []
+    assert report["cuda_pinned_host_placements"] == 2 and report["problems"] == []
+    assert "all requested placements confirmed" in out
+
+
+def test_tiny_training_loss_falls_and_logs_expert_load(background):
+    code, out, err = background.result("train")
+    assert code == 0, err[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(background.tmp, "train", "metrics.jsonl"))]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == TRAIN_STEPS
+    assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
+    last = [r for r in rows if "loss" in r][-1]
+    for key in ("moe/max_load", "moe/mean_max_load", "moe/mean_bias_range", "moe/max_load_layer2",
+                "moe/bias_range_layer1", "moe/balance_loss"):
+        assert key in last and math.isfinite(last[key])
+    assert last["moe/mean_bias_range"] > 0
+    tensorboard = os.path.join(background.tmp, "train", "tensorboard")
+    events = b"".join(open(os.path.join(root, f), "rb").read() for root, _, files in os.walk(tensorboard) for f in files)
+    assert b"train/moe/max_load_layer1" in events and b"train/moe/mean_bias_range" in events

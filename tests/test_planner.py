@@ -1,0 +1,137 @@
+"""The offload planner (remat.policy=auto): cost model, search, override lines, caching, and the two
+validations — predicted HBM against the deviceless GB200 compile, predicted step-time order on CPU."""
+import math
+
+import pytest
+
+from conftest import run_cli
+from MaxOffload.config import ConfigError, load
+from MaxOffload.offload import planner, policy
+from MaxOffload.offload.planner import DEVICE, OFFLOAD, REMAT, Candidate, GroupCost, Machine
+
+TINY = ["configs/llama3_1.py:tiny", "train.seq_len=64", "train.per_device_batch_size=4", "model.num_layers=4"]
+
+
+def quiet(*_):
+    pass
+
+
+def test_auto_is_accepted_and_never_reaches_the_policy_builder(tmp_path):
+    cfg = load([*TINY, "remat.policy=auto", f"run.output_dir={tmp_path}"])
+    assert cfg.remat.policy == "auto"
+    with pytest.raises(ValueError, match="resolve"):
+        policy.decisions("auto", {})
+    with pytest.raises(ConfigError, match="remat.policy=auto plans the layer groups"):
+        load([*TINY, "remat.policy=auto", "remat.groups.g.layers=0-1", f"run.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="remat.groups.g.policy"):  # groups take presets only
+        load([*TINY, "remat.groups.g.layers=0-1", "remat.groups.g.policy=auto", f"run.output_dir={tmp_path}"])
+
+
+def test_cost_model_by_hand(tmp_path):
+    """Bytes per device and recompute FLOPs = 2 x elements x contraction length, for the tiny llama on 1 CPU."""
+    cfg = load([*TINY, "remat.policy=auto", f"run.output_dir={tmp_path}"])
+    result = planner.plan(cfg, confirm=False, log=quiet)
+    by_name = {c.name: c for c in result.candidates}
+    tokens, d, mlp = 4 * 64, 64, 176
+    assert by_name["mlpwi_0"].bytes == tokens * mlp * 2  # bf16
+    assert by_name["mlpwi_0"].recompute_flops == 2 * tokens * mlp * d
+    assert by_name["out_proj"].recompute_flops == 2 * tokens * d * (4 * 16)
+    assert by_name["attention_out"].recompute_flops == 2 * tokens * 4 * 16 * 64 / 2
+    assert "mlpwo" not in by_name  # the backward pass never needs it: nothing to decide
+    assert by_name["decoder_layer_input"].options == (DEVICE, OFFLOAD)
+    assert result.machine.name == "CPU" and math.isinf(result.machine.host_link_bandwidth)
+    # forward FLOPs of a layer = its matmuls (+ the scores): 2 x tokens x layer params + attention
+    g = result.costs["decoder"]
+    params = d * 16 * (2 * 4 + 2 * 2) + 3 * d * mlp
+    assert g.forward_flops == pytest.approx(2 * tokens * params + 2 * 2 * tokens * 64 / 2 * 4 * 16)
+
+
+def _machine(hbm, host=1e12, link=1e9):
+    return Machine("test", hbm, 1e12, 1e12, link, host, True)
+
+
+def _cand(name, nbytes, recompute_s, link=1e9, layers=10, pinned=""):
+    return Candidate("g", name, layers, nbytes, recompute_s * 1e12, recompute_s, nbytes / link,
+                     (REMAT, DEVICE, OFFLOAD), pinned)
+
+
+def test_search_keeps_offloads_and_recomputes_by_budget():
+    costs = {"g": GroupCost("g", 10, 1e9, 1e-3)}  # 1 ms forward per layer: 0.8 ms of copies hide
+    cands = [_cand("a", 100_000, 1e-3), _cand("b", 400_000, 1e-3), _cand("c", 500_000, 1e-3),
+             _cand("d", 10, 1e-9)]
+    # HBM for a (1 MB over 10 layers) only; b offloads (0.4 ms copy hides); c's copy would not fit under 0.8 ms
+    decisions, reasons = planner.search(cands, costs, _machine(hbm=1_500_000 / (1 - planner.HBM_MARGIN)), 0)
+    assert decisions[("g", "a")] == DEVICE
+    assert decisions[("g", "b")] == OFFLOAD and "hides" in reasons[("g", "b")]
+    assert decisions[("g", "c")] == REMAT and "not hide" in reasons[("g", "c")]
+    # a faster link: c offloads too; a tiny host budget: nothing offloads
+    fast = [_cand(c.name, c.bytes, c.recompute_s, link=1e12) for c in cands]
+    decisions, _ = planner.search(fast, costs, _machine(1_500_000, link=1e12), 0)
+    assert decisions[("g", "c")] == OFFLOAD
+    decisions, reasons = planner.search(cands, costs, _machine(1_500_000, host=10), 0)
+    assert decisions[("g", "b")] == REMAT and "host memory full" in reasons[("g", "b")]
+    # a pinned setting is kept whatever it costs
+    pinned = cands[:2] + [_cand("c", 500_000, 1e-3, pinned=REMAT)]
+    decisions, reasons = planner.search(pinned, costs, _machine(1e12), 0)
+    assert decisions[("g", "c")] == REMAT and reasons[("g", "c")] == "pinned by remat.tensors"
+
+
+def test_exchange_moves_a_kept_tensor_to_the_host_for_a_bigger_win():
+    costs = {"g": GroupCost("g", 10, 1e9, 1.0)}
+    small = _cand("small", 100, 1e-3)  # denser: kept first, fills HBM
+    big = _cand("big", 1000, 5e-3)  # 5x the recompute, does not fit HBM nor the host (with small on it)
+    m = _machine(hbm=1000 / (1 - planner.HBM_MARGIN), host=10_000)
+    decisions, reasons = planner.search([small, big], costs, m, 0)
+    saved = {k for k, d in decisions.items() if d != REMAT}
+    assert saved == {("g", "small"), ("g", "big")}, (decisions, reasons)
+
+
+def test_override_lines_reproduce_the_plan(tmp_path):
+    for argv in (TINY, ["configs/deepseek_v3.py:tiny", "train.per_device_batch_size=2", "train.seq_len=32"]):
+        cfg = load([*argv, "remat.policy=auto", f"run.output_dir={tmp_path}"])
+        result = planner.plan(cfg, confirm=False, log=quiet)
+        lines = planner.override_lines(result)
+        assert lines[0] == "remat.policy=custom"
+        again = load([*argv, *lines, f"run.output_dir={tmp_path}"])
+        from MaxOffload import models
+
+        assert models.remat_segments(again) == models.remat_segments(planner.apply(cfg, result))
+        if "deepseek" in argv[0]:
+            assert "remat.groups.auto_moe.layers=moe" in lines and "remat.groups.auto_dense.layers=dense" in lines
+
+
+def test_resolve_is_cached_and_honours_pins(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = load([*TINY, "remat.policy=auto", "remat.tensors.mlpwi_0=remat", f"run.output_dir={tmp_path}"])
+    logs = []
+    first = planner.resolve(cfg, log=logs.append)
+    assert first.remat.policy == "custom" and first.remat.tensors.mlpwi_0 == "remat"
+    assert not any("cached plan" in line for line in logs)
+    logs.clear()
+    second = planner.resolve(cfg, log=logs.append)
+    assert any("cached plan" in line for line in logs)
+    assert second.remat.to_dict() == first.remat.to_dict()
+    other = load([*TINY, "remat.policy=full", f"run.output_dir={tmp_path}"])
+    assert planner.resolve(other, log=logs.append) is other
+
+
+def test_planner_cli_confirms_with_the_deviceless_compile(tmp_path):
+    """GB200 deviceless: the plan is compiled, and the HBM prediction is within 10% of XLA's figure."""
+    result = run_cli(["-m", "MaxOffload.offload.planner", *TINY, "remat.policy=auto", "--target", "gb200",
+                      "--topology", "1x1x4", f"run.output_dir={tmp_path}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "overrides: remat.policy=custom" in result.stdout
+    line = next(x for x in result.stdout.splitlines() if x.startswith("compiled HBM"))
+    error = float(line.split("prediction ")[1].split("%")[0])
+    assert abs(error) <= 10, line
+    bad = run_cli(["-m", "MaxOffload.offload.planner", *TINY, "remat.policy=autoo"])
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_hbm_prediction_matches_the_deviceless_compile():
+    """The HBM model (full-remat compile + kept tensors) against XLA's figure for explicit policies."""
+    base = ["configs/llama3_1.py:small", "train.seq_len=512", "train.per_device_batch_size=2",
+            "run.output_dir=/tmp/maxoffload_planner_test"]
+    for extra in (["remat.policy=minimal"], ["remat.policy=minimal_offloaded"]):
+        predicted, compiled = planner.check_prediction(load(base + extra), "gb200", "1x1x4")
+        assert abs(predicted - compiled) / compiled <= 0.10, (extra, predicted, compiled)

@@ -1,0 +1,169 @@
+"""Profiling window and the copy/compute overlap report: interval arithmetic on synthetic timelines with
+known answers, the trace classifier, config checks, and real CPU traces of short training runs."""
+import concurrent.futures
+import json
+import os
+
+import pytest
+
+from MaxOffload.profile import timeline
+from MaxOffload.profile.timeline import COLLECTIVE, COMPUTE, D2H, H2D, Event, analyse
+from MaxOffload.profile.trace import classify
+
+MS = 1e6  # ns
+
+
+def ev(line, start_ms, end_ms, kind, name="", nbytes=0):
+    return Event(line=line, start=start_ms * MS, end=end_ms * MS, kind=kind, name=name, bytes=nbytes)
+
+
+def close(a, b):
+    return a == pytest.approx(b, abs=1e-9)
+
+
+# -- interval sets -------------------------------------------------------------------------------
+def test_interval_set_operations():
+    assert timeline.union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9)]) == [(0, 4), (5, 7)]
+    assert timeline.intersect([(0, 10)], [(2, 3), (5, 12)]) == [(2, 3), (5, 10)]
+    assert timeline.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+    assert timeline.subtract([(0, 10)], [(-5, 20)]) == []
+    assert timeline.measure([(0, 4), (2, 6), (10, 11)]) == 7
+
+
+# -- overlap on synthetic timelines --------------------------------------------------------------
+def test_fully_hidden_copy():
+    r = analyse([ev("compute", 0, 10, COMPUTE), ev("d2h", 2, 6, D2H, "qkv_proj", 4000)])
+    assert close(r["compute_s"], 0.010) and close(r["d2h"]["time_s"], 0.004)
+    assert r["d2h"]["hidden_fraction"] == 1.0 and r["d2h"]["bytes"] == 4000
+    assert close(r["exposed_s"], 0.0) and r["largest_exposed"] == []
+
+
+def test_partly_hidden_copies_name_the_exposed_one():
+    r = analyse([ev("compute", 0, 10, COMPUTE), ev("d2h", 8, 14, D2H, "mlpwi_0", 6),   # 2 hidden, 4 exposed
+                 ev("h2d", 12, 13, H2D, "qkv_proj", 1)])                                # 1 exposed
+    assert close(r["d2h"]["hidden_s"], 0.002) and close(r["d2h"]["exposed_s"], 0.004)
+    assert close(r["h2d"]["exposed_s"], 0.001) and r["h2d"]["hidden_fraction"] == 0.0
+    assert close(r["copy"]["time_s"], 0.006) and close(r["copy"]["hidden_fraction"], 2 / 6)
+    assert r["copy"]["bytes"] == 7
+    assert close(r["exposed_s"], 0.004)  # 10..14: the h2d runs inside the d2h's exposed part
+    assert [e["name"] for e in r["largest_exposed"]] == ["mlpwi_0", "qkv_proj"]
+    assert close(r["largest_exposed"][0]["exposed_s"], 0.004)
+
+
+def test_serialised_copies_are_all_exposed():
+    r = analyse([ev("s", 0, 5, COMPUTE), ev("copy", 5, 8, D2H), ev("s", 8, 10, COMPUTE), ev("copy", 10, 12, H2D)])
+    assert close(r["compute_s"], 0.007) and close(r["span_s"], 0.012)
+    assert r["copy"]["hidden_fraction"] == 0.0 and close(r["exposed_s"], 0.005)
+
+
+def test_compute_on_several_lines_is_one_union():
+    r = analyse([ev("a", 0, 4, COMPUTE), ev("b", 2, 6, COMPUTE), ev("c", 3, 9, D2H)])
+    assert close(r["compute_s"], 0.006)
+    assert close(r["d2h"]["hidden_s"], 0.003) and close(r["d2h"]["exposed_s"], 0.003)
+
+
+def test_nested_events_own_only_their_uncovered_time():
+    # a loop (0..10) around two ops and a copy on the same line: the copy is serialised with them, not
+    # hidden by its own loop; on another line a kernel covers 7..8 of it.
+    events = [ev("t", 0, 10, COMPUTE, "while"), ev("t", 1, 3, COMPUTE, "dot"), ev("t", 3, 4, COMPUTE, "add"),
+              ev("t", 6, 9, D2H, "copy"), ev("u", 7, 8, COMPUTE, "k")]
+    owned = dict((e.name, iv) for e, iv in timeline.own_time(events))
+    assert owned["while"] == [(0, 1 * MS), (4 * MS, 6 * MS), (9 * MS, 10 * MS)]
+    r = analyse(events)
+    assert close(r["compute_s"], 0.008)  # 0..6 and 7..8 and 9..10
+    assert close(r["d2h"]["hidden_s"], 0.001) and close(r["d2h"]["exposed_s"], 0.002)
+
+
+def test_collectives_overlap_and_exposed_time():
+    r = analyse([ev("compute", 0, 10, COMPUTE), ev("nccl", 5, 15, COLLECTIVE, "all-gather"),
+                 ev("d2h", 12, 20, D2H)])
+    assert close(r["collective"]["hidden_fraction"], 0.5) and r["collective"]["count"] == 1
+    assert close(r["exposed_s"], 0.010)  # 10..20: collective then copy, nothing computing
+    assert close(r["d2h"]["exposed_s"], 0.008)
+
+
+def test_mean_and_verdict_with_copies():
+    from MaxOffload.profile import overlap
+
+    steps = [analyse([ev("c", 0, 10, COMPUTE), ev("d", 0, 9, D2H, "moe_mlpwi_0", 2e9)]),
+             analyse([ev("c", 0, 10, COMPUTE), ev("d", 0, 11, D2H, "moe_mlpwi_0", 2e9)])]
+    result = {"trace_dir": "x", "module": "jit_train_step", "device": "gpu:0", "markers": [3, 4], "steps": steps,
+              "mean": overlap.mean(steps)}
+    assert close(result["mean"]["copy"]["hidden_fraction"], 19 / 20)
+    text = overlap.verdict(result)
+    assert "95% of 2 GB/step" in text and "exposed 0.50 ms/step" in text and "moe_mlpwi_0" in text
+    assert "   3 " in overlap.format_table(result)
+
+
+# -- classifying trace events ---------------------------------------------------------------------
+@pytest.mark.parametrize("line,name,kind", [
+    ("Stream #20(MemcpyD2H)", "MEMCPYDtoH", D2H), ("Stream #21(MemcpyH2D)", "MEMCPYHtoD", H2D),
+    ("Stream #7(Compute)", "fusion.12", COMPUTE), ("Stream #7(Compute)", "all-gather-start.3", COLLECTIVE),
+    ("Stream #9", "ncclDevKernel_ReduceScatter_Sum", COLLECTIVE), ("tf_XLACpu", "all-reduce.1", COLLECTIVE),
+    ("Stream #7(Compute)", "Memcpy DtoD", "other"), ("tf_XLACpu", "copy.4", COMPUTE)])
+def test_classify(line, name, kind):
+    assert classify(line, name) == kind
+
+
+# -- the switch and the window ----------------------------------------------------------------
+def test_nsys_without_gpu_is_a_noop_with_a_message():
+    from MaxOffload.profile.window import Window
+
+    said = []
+    window = Window("nsys", 2, 1, "/nonexistent", said.append)
+    window.start()
+    assert not window.active and "no CUDA GPU" in said[0] and window.stop() is None
+
+
+def test_bad_profile_settings_cost_one_line(cli, tmp_path):
+    for override, expect in (("profile.mode=perf", "profile.mode='perf' is not one of off, xprof, nsys"),
+                             ("profile.start_step=5", "after train.steps=5")):
+        result = cli(["train.py", "configs/llama3_1.py:tiny", "train.steps=5", "train.warmup_steps=1",
+                      "profile.mode=xprof", "profile.num_steps=2", override, f"run.output_dir={tmp_path}"])
+        assert result.returncode == 2 and expect in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+SHORT = ["configs/llama3_1.py:tiny", "train.steps=5", "train.warmup_steps=1", "train.seq_len=32",
+         "train.per_device_batch_size=4", "train.eval_every=0", "train.eval_batches=1", "profile.mode=xprof",
+         "profile.start_step=3", "profile.num_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """Two profiled runs, one per CPU core: one device; two simulated devices (FSDP: collectives)."""
+    from conftest import run_cli
+
+    tmp = tmp_path_factory.mktemp("profiled")
+    plans = {"one": ([], {}), "two": ([], {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_cli, ["train.py", *SHORT, *extra, f"run.output_dir={tmp / name}"], env,
+                                     400) for name, (extra, env) in plans.items()}
+        return {name: (f.result(), str(tmp / name)) for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", ["one", "two"])
+def test_xprof_window_holds_exactly_the_requested_steps(profiled, name):
+    from MaxOffload.profile import overlap
+
+    result, out = profiled[name]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "profile: xprof capturing steps 3-4" in result.stdout and "overlap (2 step(s) of jit_train_step" in \
+        result.stdout
+    report = overlap.report(os.path.join(out, "profile"))
+    assert report["markers"] == [3, 4] and len(report["steps"]) == 2 and report["module"] == "jit_train_step"
+    assert all(s["compute_s"] > 0 for s in report["steps"])
+    assert json.load(open(os.path.join(out, "profile", "overlap.json")))["markers"] == [3, 4]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["overlap"]["verdict"].startswith("overlap (2 step(s)")
+    collectives = report["mean"]["collective"]["time_s"]
+    assert (collectives > 0) == (name == "two")
+
+
+def test_overlap_cli_json_and_missing_trace(profiled, cli, tmp_path):
+    _, out = profiled["two"]
+    result = cli(["-m", "MaxOffload.profile.overlap", os.path.join(out, "profile"), "--json"])
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["verdict"].startswith("overlap") and "collectives" in data["verdict"]
+    assert cli(["-m", "MaxOffload.profile.overlap", str(tmp_path)]).returncode == 2
