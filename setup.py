@@ -22,6 +22,8 @@ setup(
     # .model) are optional: imported only when such a file is given. The test extra includes them because
     # tests/test_data.py trains tiny tokenizers of both kinds and prepares a corpus with each.
     # The test extra includes both: tests prepare corpora with each tokenizer kind and compile for GB200.
+    # pytest-xdist runs the suite's files on both cores of a small machine (most tests wait on subprocesses).
     # bench: benchmarks/offload_sweep.py draws its bar chart with matplotlib (the tests do not need it).
-    extras_require={"data": DATA, "aot": AOT, "bench": ["matplotlib>=3.7"], "test": ["pytest>=8", *DATA, *AOT]},
+    extras_require={"data": DATA, "aot": AOT, "bench": ["matplotlib>=3.7"],
+                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT]},
 )
