@@ -261,7 +261,9 @@ def _error_cases(tmp):
         "int_given_float": (dry + ["train.steps=2.5"], ["train.steps", "2.5"]),
         "bool_given_maybe": (dry + ["model.scan_layers=maybe"], ["model.scan_layers", "maybe"]),
         "float_given_x": (dry + ["train.learning_rate=x"], ["train.learning_rate"]),
-        "none_for_str_field": (dry + ["model.family=none"], ["model.family", "None"]),
+        # "none" is a string for string fields (model.rope_scaling=none is a real choice): a plain bad choice
+        "none_for_str_field": (dry + ["model.family=none"], ["model.family", "'none' is not one of llama"]),
+        "none_for_int_field": (dry + ["train.steps=none"], ["train.steps", "cannot be None"]),
         "unparsable_list": (dry + ["data.text_files=[unclosed"], ["data.text_files"]),
         "steps_zero": (dry + ["train.steps=0"], ["train.steps", "> 0"]),
         "negative_learning_rate": (dry + ["train.learning_rate=-1e-3"], ["train.learning_rate", ">= 0"]),
@@ -391,3 +393,10 @@ def test_resolved_config_saved_and_reloadable(cli, tmp_path, two_text_files):
     validate(cfg)
     from MaxOffload.config.loader import flat_keys
     assert sorted(flat_keys(cfg)) == sorted(flat_keys(defaults.get_config()))
+
+
+def test_none_is_a_string_for_string_fields():
+    cfg = load([QUICKSTART, "model.rope_scaling=llama3"])
+    assert cfg.model.rope_scaling == "llama3"
+    assert load([QUICKSTART, "model.rope_scaling=none"]).model.rope_scaling == "none"
+    assert load([QUICKSTART, "hardware.peak_tflops_per_device=none"]).hardware.peak_tflops_per_device is None

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, apply_rope, param
 from MaxOffload.models.llama import on_device, run_layers, stacked_layers, to_device
 from MaxOffload.models.moe import MoE, RouterBias, updated_bias
@@ -55,7 +56,7 @@ PRESETS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepSeekConfig:
+class DeepSeekConfig(FromConfig):
     vocab_size: int
     emb_dim: int
     num_layers: int
@@ -91,10 +92,6 @@ class DeepSeekConfig:
     compute_dtype: str = "bfloat16"
     scan_layers: bool = True
     init_std: float = 0.02
-
-    @classmethod
-    def from_config(cls, model_cfg):
-        return cls(**{f.name: model_cfg[f.name] for f in dataclasses.fields(cls)})
 
     @property
     def num_moe_layers(self):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, Attention, RMSNorm, SwiGLU, param, rope_inv_freq
 from MaxOffload.offload import names
 from MaxOffload.parallel.logical import constrain
@@ -31,7 +32,7 @@ PRESETS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(FromConfig):
     vocab_size: int
     emb_dim: int
     num_layers: int
@@ -51,10 +52,6 @@ class LlamaConfig:
     compute_dtype: str = "bfloat16"
     scan_layers: bool = True
     init_std: float = 0.02
-
-    @classmethod
-    def from_config(cls, model_cfg):
-        return cls(**{f.name: model_cfg[f.name] for f in dataclasses.fields(cls)})
 
     def matmul_params_per_token(self):
         """Weights each token multiplies by: the FLOP-bearing parameters (embedding lookup excluded)."""
