@@ -10,7 +10,6 @@ launch.mem_fraction headroom) and a fits / does-not-fit verdict, host bytes (off
 activations and host-resident state), the offloaded tensors and the compile time. Writes
 <run.output_dir>/aot_report.json. Exit status 0 fits, 1 does not fit, 2 bad input.
 """
-import json
 import os
 import sys
 import time
@@ -120,9 +119,12 @@ def _take_option(argv, name):
 
 
 def main(argv):
-    os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only GPU devices; no GPU runtime needed
+    from MaxOffload.platform import use_cpu_runtime
+
+    use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed
     from MaxOffload import xla
     from MaxOffload.config import ConfigError, load
+    from MaxOffload.reports import publish
 
     try:
         target, argv = _take_option(argv, "--target")
@@ -146,11 +148,7 @@ def main(argv):
     except OSError as e:
         print(f"error: run.output_dir: {e.strerror}", file=sys.stderr)
         return 2
-    path = os.path.join(cfg.run.output_dir, "aot_report.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    print(format_report(report))
-    print(f"wrote {path}")
+    publish(cfg, "aot_report.json", report, format_report(report))
     return 0 if report["fits"] else 1
 
 

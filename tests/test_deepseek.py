@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
+from test_model import checkpoint_names  # the jaxpr walker, itself tested there
 from MaxOffload import models
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek, moe
@@ -380,19 +381,6 @@ def test_model_state_is_the_router_biases_and_moves_against_the_load():
     assert {"moe/max_load", "moe/mean_bias_range", "moe/max_load_layer1", "moe/max_load_layer2",
             "moe/bias_range_layer2", "moe/balance_loss"} <= set(aux["metrics"])
     assert float(aux["aux_loss"]) == pytest.approx(1e-4 * 2 * float(aux["metrics"]["moe/balance_loss"]), rel=1e-5)
-
-
-def checkpoint_names(jaxpr):
-    found = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name":
-            found.add(eqn.params["name"])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found |= checkpoint_names(sub)
-    return found
 
 
 def test_every_tagged_name_is_tagged_in_the_training_step():

@@ -11,7 +11,6 @@ lowered program holds exactly one pinned_host placement per offloaded tensor. Wr
 did not take effect, 2 a configuration error.
 """
 import collections
-import json
 import math
 import os
 import re
@@ -259,6 +258,7 @@ def format_report(report):
 
 def main(argv):
     from MaxOffload.platform import prefer_cpu_without_gpu
+    from MaxOffload.reports import publish
 
     prefer_cpu_without_gpu()
     from MaxOffload.config import ConfigError, load
@@ -282,11 +282,7 @@ def main(argv):
         return 2
     print(f"lowering the training step of {argv[0]} for CUDA ...", flush=True)
     report = build_report(cfg, setup, cpu_memory=cpu_memory and setup.params_total() < 200_000_000)
-    path = os.path.join(cfg.run.output_dir, "offload_report.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    print(format_report(report))
-    print(f"wrote {path}")
+    publish(cfg, "offload_report.json", report, format_report(report))
     return 1 if report["problems"] else 0
 
 

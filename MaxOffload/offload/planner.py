@@ -573,7 +573,9 @@ def main(argv):
     argv = [a for a in argv if a != "--no_confirm"]
     target, argv = _take_option(argv, "--target")
     topology, argv = _take_option(argv, "--topology")
-    os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only GPU devices
+    from MaxOffload.platform import use_cpu_runtime
+
+    use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed
     from MaxOffload import xla
     from MaxOffload.config import ConfigError, load
 

@@ -4,7 +4,6 @@ summary out; resume, preemption and non-finite steps handled.
 Exit codes (train.py): 0 done, 1 stopped on a non-finite step or a parity failure, 2 bad input,
 PREEMPTED (42) saved after SIGTERM/SIGUSR1 — the Slurm launcher requeues the job.
 """
-import json
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ from MaxOffload.train.checkpoint import Checkpointer, load_params
 from MaxOffload.train.errors import NonFiniteError
 from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed
+from MaxOffload.reports import write_json
 from MaxOffload.parallel.mesh import describe as mesh_describe
 from MaxOffload.profile.window import Window
 from MaxOffload.train.step import HOST, TrainSetup
@@ -42,12 +42,6 @@ def _human(n, unit=""):
         n /= 1000
 
 
-def _write_json(path, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
 def peak_flops_per_device(cfg):
     if cfg.hardware.peak_tflops_per_device is not None:
         return cfg.hardware.peak_tflops_per_device * 1e12
@@ -58,7 +52,7 @@ def peak_flops_per_device(cfg):
 def prepare_output_dir(cfg):
     try:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
-        _write_json(os.path.join(cfg.run.output_dir, "config.json"), cfg.to_dict())
+        write_json(os.path.join(cfg.run.output_dir, "config.json"), cfg.to_dict())
     except OSError as e:
         raise ConfigError(f"run.output_dir={cfg.run.output_dir}: cannot write there ({e.strerror}); "
                           "choose a writable directory") from None
@@ -91,7 +85,7 @@ def run(cfg):
     summary = describe_setup(cfg, setup)
     if cfg.run.dry_run:
         if _LEAD[0]:
-            _write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
+            write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         _say(f"dry run: nothing allocated or compiled; wrote {os.path.join(cfg.run.output_dir, 'summary.json')}")
         return 0
     if cfg.offload.verify_parity:
@@ -283,7 +277,7 @@ class Training:
             try:
                 result = overlap.report(trace_dir)
                 result["verdict"] = overlap.verdict(result)
-                _write_json(os.path.join(trace_dir, "overlap.json"), result)
+                write_json(os.path.join(trace_dir, "overlap.json"), result)
                 self.summary["overlap"] = {"verdict": result["verdict"], "per_step": result["mean"]}
                 _say(result["verdict"])
             except Exception as e:  # an unreadable trace must not end the training run
@@ -329,7 +323,7 @@ class Training:
                        mfu=mean("mfu") if self.peak else None, skipped_steps=self.skipped, loss_spikes=self.spikes,
                        device_peak_bytes=device_peak_bytes())
         if _LEAD[0]:
-            _write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
+            write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         mfu = f"{summary['mfu'] * 100:.1f}%" if self.peak else \
             "n/a (unknown device peak; set hardware.peak_tflops_per_device)"
         _say(f"done: {len(history)} steps in {summary['train_time_s']:.1f} s (+ {summary['compile_time_s']:.1f} s "
