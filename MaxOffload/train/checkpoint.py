@@ -86,6 +86,8 @@ def load_params(path, setup):
         except Exception as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: cannot restore step {step} "
                               f"({type(e).__name__}); it must come from the same model and optimizer") from None
+        finally:
+            manager.close()  # its threads must not outlive the run (or the one-line error)
         return restored.state["params"], step
     raise ConfigError(f"checkpoint.load_params_from={path}: no checkpoint there; give a run directory, its "
                       "checkpoints/ directory or one step directory")

@@ -194,7 +194,13 @@ class Training:
         cfg, setup = self.cfg, self.setup
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
         checkpointer = Checkpointer(cfg, setup)
-        state, start = self.initial_state(checkpointer)
+        try:
+            state, start = self.initial_state(checkpointer)
+        except BaseException:  # e.g. a corrupted checkpoint: release Orbax's threads before the one-line error
+            checkpointer.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            raise
         _say("compiling the training step ...")
         started = time.perf_counter()
         train_step, self.eval_step = setup.compile_train_step(), setup.compile_eval_step()
