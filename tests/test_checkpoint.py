@@ -89,6 +89,15 @@ def test_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path):
     assert "resumed from" in result.stdout and "(step 6)" in result.stdout
 
 
+def test_checkpoint_disabled_neither_resumes_nor_saves(tmp_path):
+    args = [*TINY, "train.steps=3", f"run.output_dir={tmp_path}"]
+    assert run_cli(["train.py", *args]).returncode == 0
+    result = run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={tmp_path}", "checkpoint.enabled=false"])
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" not in result.stdout and "training steps 1-5" in result.stdout
+    assert sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == ["3"]
+
+
 def _corrupt(step_dir):
     """Truncates every array data file of a checkpoint."""
     hit = 0

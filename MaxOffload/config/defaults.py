@@ -37,6 +37,8 @@ SCHEMA = {
                                    "(0 disables)"),
     },
     "checkpoint": {
+        "enabled": (True, "save checkpoints (false: benchmarks and throwaway runs; nothing is saved or resumed, "
+                          "and a preempted run exits 42 without a checkpoint)"),
         "every_steps": (0, "save asynchronously every N steps (0 = only at the end and on preemption)"),
         "keep": (3, "keep the newest K checkpoints"),
         "resume": (True, "resume from the newest complete checkpoint in <run.output_dir>/checkpoints"),

@@ -157,7 +157,7 @@ class Training:
     # -- state -------------------------------------------------------------------------------
     def initial_state(self, checkpointer):
         """(state, first step): the newest checkpoint if resuming, else fresh (optionally with loaded params)."""
-        if self.cfg.checkpoint.resume:
+        if self.cfg.checkpoint.enabled and self.cfg.checkpoint.resume:
             restored = checkpointer.restore_latest()
             if restored is not None:
                 state, meta = restored
@@ -171,7 +171,7 @@ class Training:
         return state, 0
 
     def save(self, checkpointer, step, state):
-        if step in checkpointer.manager.all_steps():
+        if not self.cfg.checkpoint.enabled or step in checkpointer.manager.all_steps():
             return
         checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
                                         "data": self.data.description})
@@ -238,8 +238,10 @@ class Training:
                         self.save(checkpointer, done, state)
                     if stop:
                         checkpointer.wait()
+                        saved = f"saved step {done}" if cfg.checkpoint.enabled else \
+                            "nothing saved (checkpoint.enabled=false)"
                         _say(f"preempted by signal {self.signals[0] if self.signals else '(on another process)'}: "
-                             f"saved step {done}; exiting with {PREEMPTED} so the launcher requeues the job")
+                             f"{saved}; exiting with {PREEMPTED} so the launcher requeues the job")
                         raise Preempted()
             pending = self.report(pending)
             self.save(checkpointer, cfg.train.steps, state)
