@@ -9,6 +9,7 @@ exercises XLA's real host-offload passes, which have had wrong-offset bugs; on a
 offloaded tensor is simply saved. Exit status 0 when all agree within tolerance, 1 when
 one does not, 2 on a configuration error.
 """
+import contextlib
 import sys
 
 
@@ -16,9 +17,12 @@ class ParityError(Exception):
     """The configured policy changed the loss or gradients: an XLA offload bug, not a user mistake."""
 
 
-# Relative tolerances on the loss and on ||g - g_ref|| / ||g_ref||. Recomputing instead of
-# saving reruns the same ops, but XLA may fuse them differently, so bits can differ slightly.
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+# Relative tolerances on the loss and on ||g - g_ref|| / ||g_ref||. Recomputing instead of saving reruns
+# the same ops, but XLA fuses them differently, so bits differ. Measured on an H200 (jax 0.11.2, 4 Llama-8B
+# layers, 8k tokens): bfloat16 gradients 1.18e-2 from full remat both when the tensors were saved in HBM and
+# when they were offloaded (the offload itself changed nothing); float32 8.1e-4 under the GPU's default TF32
+# matmuls, hence float32 runs at "highest" matmul precision here. A wrong-offset offload bug gives O(1).
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 
 
 def _loss_and_grads(cfg, params, batch, model_state=None):
@@ -37,7 +41,17 @@ def _loss_and_grads(cfg, params, batch, model_state=None):
 
 
 def compare(cfg, presets=()):
-    """[(label, loss, loss rel. diff, grad rel. diff, ok)] against full remat, for cfg and `presets`."""
+    """(reference loss, tolerance, [(label, loss, loss rel. diff, grad rel. diff, ok)]) against full remat,
+    for cfg and `presets`."""
+    import jax
+
+    precision = jax.default_matmul_precision("highest") if cfg.model.compute_dtype == "float32" else \
+        contextlib.nullcontext()  # float32: no TF32 rounding (a GPU's default) to hide a real difference
+    with precision:
+        return _compare(cfg, presets)
+
+
+def _compare(cfg, presets):
     import jax
     import jax.numpy as jnp
     import optax

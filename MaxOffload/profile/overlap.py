@@ -19,8 +19,23 @@ def report(trace_dir, device=None):
     """{"module", "device", "markers", "steps": [analysis per step], "mean": analysis averaged over steps}."""
     found = trace.read_steps(trace_dir, device)
     steps = [timeline.analyse(events) for events in found["steps"]]
-    return {"trace_dir": trace_dir, "module": found["module"], "device": found["device"],
-            "markers": found["markers"], "steps": steps, "mean": mean(steps)}
+    result = {"trace_dir": trace_dir, "module": found["module"], "device": found["device"],
+              "markers": found["markers"], "steps": steps, "window_steps": len(steps), "mean": mean(steps)}
+    if len(steps) == 1 and len(found["markers"]) > 1:
+        # the device events carry no per-execution id (seen on an H200): one window of several steps
+        result["window_steps"] = len(found["markers"])
+        result["mean"] = per_step(steps[0], len(found["markers"]))
+    return result
+
+
+def per_step(window, n):
+    """The analysis of a window of n steps as per-step figures: times and bytes / n, fractions kept."""
+    out = {key: window[key] / n for key in ("span_s", "compute_s", "exposed_s")}
+    for kind in ("d2h", "h2d", "collective", "copy"):
+        out[kind] = {key: (value / n if key in ("time_s", "hidden_s", "exposed_s", "bytes", "count") else value)
+                     for key, value in window[kind].items()}
+    out["largest_exposed"] = [{**e, "exposed_s": e["exposed_s"] / n} for e in window["largest_exposed"]]
+    return out
 
 
 def mean(steps):
@@ -65,7 +80,7 @@ def verdict(result):
     if m is None:
         return (f"overlap: no device ops of an XLA program found in {result['trace_dir']} (was the window empty, "
                 "or the trace taken on a backend this reader does not know?)")
-    steps = f"{len(result['steps'])} step(s) of {result['module']} on {result['device']}"
+    steps = f"{result.get('window_steps', len(result['steps']))} step(s) of {result['module']} on {result['device']}"
     copy, coll = m["copy"], m["collective"]
     if copy["time_s"] == 0:
         text = (f"overlap ({steps}): no host<->device copies in the trace (on CPU offloaded tensors are simply kept; "

@@ -31,18 +31,31 @@ def find_xplanes(trace_dir):
     return sorted(f for f in files if os.path.dirname(f) == newest)
 
 
-def classify(line_name, name):
-    """compute | d2h | h2d | collective | other, from the line (stream) and the event name."""
-    text = f"{line_name} {name}"
-    if "memcpy" in text.lower() or "copy-start" in name or "copy-done" in name:
-        if _D2H.search(text):
+def classify(name, op="", details=""):
+    """compute | d2h | h2d | collective | other, from one event alone: its name (a kernel or a CUPTI
+    memcpy such as MemcpyD2H), its HLO op (e.g. copy-start.3; a command_buffer_N for everything XLA
+    launched as one CUDA graph) and its memcpy details ("kind_src:device kind_dst:pinned ...").
+
+    Never from the stream's line name: XPlane names a stream after every kind of work it carried
+    ("Stream #13(Compute,MemcpyD2H)"), so one D2H copy on a stream would make all its kernels copies
+    (seen on an H200 with command buffers)."""
+    text = f"{name} {details}"
+    if "memcpy" in text.lower() or "copy-start" in op or "copy-done" in op or "copy-start" in name:
+        source, _, dest = _memory_kinds(details)
+        if _D2H.search(name) or (source == "device" and dest in ("pinned", "host", "pageable")):
             return D2H
-        if _H2D.search(text):
+        if _H2D.search(name) or (dest == "device" and source in ("pinned", "host", "pageable")):
             return H2D
         return OTHER if "memcpy" in text.lower() else COMPUTE
-    if _COLLECTIVE.search(name):
+    if _COLLECTIVE.search(name) or _COLLECTIVE.search(op):
         return COLLECTIVE
     return COMPUTE
+
+
+def _memory_kinds(details):
+    """(source, "->", destination) memory kinds from a memcpy_details stat, lower case ('' if absent)."""
+    found = dict(re.findall(r"kind_(src|dst)[:=]\s*(\w+)", details or "", re.I))
+    return found.get("src", "").lower(), "->", found.get("dst", "").lower()
 
 
 def _bytes(stats):
@@ -89,7 +102,8 @@ def _raw_events(xplane_files):
                     start = float(event.start_ns)
                     yield device, step, stats.get("hlo_module", ""), Event(
                         line=f"{plane.name}/{line.name}", start=start, end=start + float(event.duration_ns),
-                        kind=classify(line.name, str(stats.get("hlo_op") or event.name)),
+                        kind=classify(event.name, str(stats.get("hlo_op") or ""),
+                                      str(stats.get("memcpy_details") or "")),
                         name=_label(event.name, stats), bytes=_bytes(stats))
 
 
