@@ -45,14 +45,8 @@ from MaxOffload.train import flops
 row = {}
 if target:
     cfg = planner.resolve(cfg, target, topology, log=lambda *a: None)
-    devices = planner._target_devices(target, topology)
-    hbm, host = planner.compiled_memory(cfg, devices)
-    result = planner.plan(cfg, target, topology, confirm=False, log=lambda *a: None)
-    chosen = {}
-    for seg in models.remat_segments(cfg):
-        for name, d in seg.decisions:
-            chosen[(seg.model_group, name)] = d
-    result.decisions = {(c.group, c.name): chosen.get((c.group, c.name), "remat") for c in result.candidates}
+    hbm, host = planner.compiled_memory(cfg, planner._target_devices(target, topology))
+    result = planner.predict(cfg, target, topology)
     row.update(mode="deviceless", hbm_gib=hbm / 2**30, host_gib=host / 2**30,
                tflops_per_device=result.tflops_per_device(), step_s=result.step_time(), measured=False)
 else:

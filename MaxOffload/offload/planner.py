@@ -11,7 +11,8 @@
        produced it (`contraction`: e.g. mlpwi_0: emb_dim, out_proj: heads x v_dim, attention_out: seq/2 —
        the causal P.V; norms (mla_q, mla_kv): 0, costed as memory traffic 3 x bytes / HBM bandwidth);
        recompute time = max(FLOPs / achievable peak, 3 x bytes / HBM bandwidth);
-     - transfer time = bytes / host-link bandwidth per direction (hardware.py: NVLink-C2C vs PCIe);
+     - transfer time = bytes / (host-link bandwidth per direction (hardware.py: NVLink-C2C vs PCIe) x the
+       link's measured efficiency, LINK_CALIBRATION);
      - compute available to hide copies = the layer's forward FLOPs / achievable peak (the sum of its
        tagged matmuls plus the Q.K^T scores) for the copy to host, 2x that (+ recomputation) for the copy back;
      - achievable peak = MATMUL_EFFICIENCY x the table's bf16 peak.
@@ -21,7 +22,8 @@
    costs its bytes x layers; an offloaded one costs host bytes x layers plus OFFLOAD_STAGING_LAYERS layers
    of HBM staging. Host budget = host RAM per GPU x aot.HOST_USABLE - host-resident state.
 2. Search (greedy, by recompute seconds saved per byte, `search`): keep in HBM while it fits; otherwise
-   offload while the host budget holds and the group's copies still hide under OVERLAP x compute;
+   offload while the host budget holds and the group's copies still hide under the link's overlap share
+   of compute (LINK_CALIBRATION);
    otherwise recompute. Tensors the user pinned with remat.tensors.NAME stay as given. Then (confirm)
    the plan is compiled deviceless; while XLA's HBM figure is over the usable HBM, the planner charges the
    overshoot to the budget and searches again (at most CONFIRM_ROUNDS compiles).
@@ -42,9 +44,17 @@ import sys
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
-PLANNER_VERSION = 1
-MATMUL_EFFICIENCY = 0.6  # achievable share of the bf16 peak for the layer matmuls (kernel + comms losses)
-OVERLAP = 0.8  # share of a layer's compute that copies may hide under (they share HBM bandwidth)
+PLANNER_VERSION = 2
+# Calibration, from measurements (docs/planner.md, "Calibration"):
+# achievable share of the bf16 peak: 0.34 measured on an H200 (Llama-8B layers, full remat, XLA's chunked
+# attention: 1.38 s/step where 0.6 predicted 0.79 s); the published DeepSeek-V3 GB200 runs imply ~0.31 (578
+# TFLOP/s of model FLOPs under remat = 4/3 x that in hardware FLOPs, of a 2.5 PFLOP/s peak) and ~0.36 (908).
+MATMUL_EFFICIENCY = 0.35
+# Per host link: (share of the nominal bandwidth a copy gets, share of a layer's compute copies hide under).
+# PCIe: measured on an H200 (jax 0.11.2): 18.3 GB each way per step cost 0.80 s more than its saved recompute
+# with xla.preset=baseline (~46 GB/s, nothing hidden) and 0.61 s with lhs_pipelined_offload (~20% hidden).
+# NVLink-C2C: not measured here; the published +57% for offloading on GB200 needs most copies hidden.
+LINK_CALIBRATION = {"PCIe": (0.72, 0.2), "NVLink-C2C": (0.8, 0.8)}
 # HBM an offloaded tensor still takes, in layers of it. Measured with the deviceless GB200 compile (docs/planner.md):
 # XLA's figure for offloading policies matched base + kept tensors with no staging term (2 layers over-predicted
 # minimal_offloaded by 9.7%), so 0; raise it if a real GPU's figures say otherwise.
@@ -86,18 +96,20 @@ class Machine:
     hbm_usable: float
     peak_flops: float  # achievable
     hbm_bandwidth: float
-    host_link_bandwidth: float  # inf = copies are free (CPU)
+    host_link_bandwidth: float  # effective, per direction; inf = copies are free (CPU)
     host_budget: float
     gpu: bool
+    overlap: float = 1.0  # share of a layer's compute that copies hide under
 
 
 def machine(accelerator, mem_fraction, host_state_bytes=0):
     from MaxOffload.aot import HOST_USABLE
 
+    link_efficiency, overlap = LINK_CALIBRATION[accelerator.host_link.split()[0]]
     return Machine(accelerator.name, accelerator.hbm_bytes * mem_fraction,
                    accelerator.bf16_peak_flops * MATMUL_EFFICIENCY, accelerator.hbm_bandwidth,
-                   accelerator.host_link_bandwidth,
-                   accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True)
+                   accelerator.host_link_bandwidth * link_efficiency,
+                   accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True, overlap)
 
 
 def cpu_machine():
@@ -200,7 +212,8 @@ class Plan:
         g = self.costs[group]
         copy = sum(c.transfer_s for c in self.candidates
                    if c.group == group and self.decisions[(group, c.name)] == OFFLOAD)
-        return max(0.0, copy - OVERLAP * g.forward_s) + max(0.0, copy - OVERLAP * (2 * g.forward_s + recompute))
+        overlap = self.machine.overlap
+        return max(0.0, copy - overlap * g.forward_s) + max(0.0, copy - overlap * (2 * g.forward_s + recompute))
 
     def tflops_per_device(self):
         return self.model_flops_per_device / self.step_time() / 1e12
@@ -225,7 +238,7 @@ def usage(candidates, decisions):
 def feasible(candidates, costs, m, budget, decisions):
     hbm, host, copy = usage(candidates, decisions)
     return hbm <= budget and host <= m.host_budget and all(
-        t <= OVERLAP * costs[g].forward_s * (1 + 1e-9) for g, t in copy.items())
+        t <= m.overlap * costs[g].forward_s * (1 + 1e-9) for g, t in copy.items())
 
 
 def _saved_s(candidates, decisions):
@@ -236,7 +249,7 @@ def search(candidates, costs, m, base_hbm, penalty=0.0):
     """(decisions, reasons): greedy by recompute seconds saved per byte, then an exchange pass.
 
     Greedy: in order of density, keep a tensor in HBM if it fits, else offload it if the host memory and
-    the group's copy time (which must hide under OVERLAP x the layer's forward) allow, else recompute.
+    the group's copy time (which must hide under the machine's overlap share of the layer's forward) allow, else recompute.
     Exchange: for each recomputed tensor, most recompute time first, try saving it (offloaded, else kept)
     after moving kept tensors to the host, largest first, until the plan fits; accepted if it saves time.
     """
@@ -393,6 +406,22 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     return result
 
 
+def predict(cfg, target=None, topology=None):
+    """The cost model's Plan for cfg's OWN policy (no search): its decisions per model group, predicted step
+    time, TFLOP/s and HBM (analytic base). remat.policy=auto is planned without confirming compiles."""
+    from MaxOffload import models
+    from MaxOffload.offload.policy import AUTO
+
+    result = plan(cfg, target, topology, confirm=False, log=lambda *a: None)
+    if cfg.remat.policy != AUTO:
+        chosen = {}
+        for seg in models.remat_segments(cfg):
+            for name, d in seg.decisions:
+                chosen[(seg.model_group, name)] = d
+        result.decisions = {(c.group, c.name): chosen.get((c.group, c.name), REMAT) for c in result.candidates}
+    return result
+
+
 def check_prediction(cfg, target, topology):
     """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
     (full-remat compile + kept tensors + offload staging) against XLA's figure for the same config."""
@@ -508,7 +537,7 @@ def cache_key(cfg, target, topology, device_count=None):
     relevant.update(batch=cfg.train.per_device_batch_size, seq_len=cfg.train.seq_len,
                     mem_fraction=cfg.launch.mem_fraction, target=target, topology=topology,
                     devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,
-                    constants=[MATMUL_EFFICIENCY, OVERLAP, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
+                    constants=[MATMUL_EFFICIENCY, LINK_CALIBRATION, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
