@@ -44,6 +44,7 @@ def get_config(size="671b"):
             cfg.remat.groups.moe.tensors[name] = "offload"
         cfg.mesh.ici.expert = 8
         cfg.mesh.ici.fsdp = -1
+        cfg.aot.topology = "2x16x4"  # 128 GB200: two NVL72 racks of 64 GPUs (aot and auto dry runs)
         for axis in ("embed", "q_lora", "kv_lora"):
             cfg.mesh.rules[axis] = ["fsdp", "expert"]
     return cfg

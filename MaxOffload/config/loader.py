@@ -190,7 +190,16 @@ def load(argv):
         raise ConfigError(f"the first argument must be a config file, got {argv[0]!r}")
     spec = argv[0][len("--config="):] if argv[0].startswith("--config=") else argv[0]
     cfg = load_file(spec)
-    for key, value in split_overrides(argv[1:]):
+    overrides = split_overrides(argv[1:])
+    if ("remat.policy", "auto") in overrides:
+        # auto on the command line replaces the file's hand-tuned remat recipe (its per-tensor settings and
+        # layer groups); remat.tensors.NAME given on the command line are pins the planner keeps
+        with cfg.unlocked():
+            for name in cfg.remat.tensors:
+                cfg.remat.tensors[name] = ""
+            for group in list(cfg.remat.groups):
+                del cfg.remat.groups[group]
+    for key, value in overrides:
         apply_override(cfg, key, value)
     validate(cfg)
     cfg.lock()

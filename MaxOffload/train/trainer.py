@@ -73,7 +73,8 @@ class Preempted(Exception):
     """SIGTERM/SIGUSR1: the state was saved; exit with PREEMPTED so the launcher requeues."""
 
 
-def run(cfg):
+def run(cfg, devices=None):
+    """devices: the run's devices (default: this process's); a dry run may pass compile-only GPUs."""
     process_index, process_count = distributed.initialize(cfg)
     _LEAD[0] = process_index == 0
     _say("MaxOffload config:\n" + describe(cfg))
@@ -81,7 +82,7 @@ def run(cfg):
         _say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
     if _LEAD[0]:
         prepare_output_dir(cfg)
-    setup = TrainSetup(cfg, jax.devices())
+    setup = TrainSetup(cfg, devices or jax.devices())
     summary = describe_setup(cfg, setup)
     if cfg.run.dry_run:
         if _LEAD[0]:
@@ -97,7 +98,7 @@ def run(cfg):
 
 
 def describe_setup(cfg, setup):
-    devices = jax.devices()
+    devices = list(setup.mesh.devices.flat)
     global_batch = cfg.train.per_device_batch_size * len(devices)
     summary = {"params_total": setup.params_total(), "state_bytes_per_device": setup.state_bytes_per_device(),
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
