@@ -115,6 +115,29 @@ def test_resolve_is_cached_and_honours_pins(tmp_path, monkeypatch):
     assert planner.resolve(other, log=logs.append) is other
 
 
+def test_auto_on_the_command_line_replaces_the_files_recipe(tmp_path):
+    """deepseek_v3_offload sets per-tensor settings and a moe group; auto given on the command line plans
+    instead of them, keeping only what the command line pins."""
+    recipe = load(["configs/deepseek_v3_offload.py:tiny", f"run.output_dir={tmp_path}"])
+    assert recipe.remat.groups and recipe.remat.tensors.query_proj == "remat"
+    cfg = load(["configs/deepseek_v3_offload.py:tiny", "remat.policy=auto", "remat.tensors.out_proj=offload",
+                f"run.output_dir={tmp_path}"])
+    assert not cfg.remat.groups
+    assert {n: v for n, v in cfg.remat.tensors.items() if v} == {"out_proj": "offload"}
+
+
+def test_auto_dry_run_plans_for_the_aot_target(tmp_path, monkeypatch):
+    """run.dry_run=true with auto: planned for aot.target/topology, confirmed by the deviceless compile, and
+    the dry run describes the target's devices (the done-when command of the planner issue, at tiny size)."""
+    result = run_cli(["train.py", "configs/deepseek_v3_offload.py:tiny", "remat.policy=auto", "run.dry_run=true",
+                      f"run.output_dir={tmp_path}"], env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "planning for aot.target=gb200 aot.topology=1x1x4" in out
+    assert "compiled HBM per device" in out and "remat.policy=auto resolved to: remat.policy=custom" in out
+    assert "remat.groups.auto_moe.layers=moe" in out and "on 4 x NVIDIA GB200" in out
+
+
 def test_planner_cli_confirms_with_the_deviceless_compile(tmp_path):
     """GB200 deviceless: the plan is compiled, and the HBM prediction is within 10% of XLA's figure."""
     result = run_cli(["-m", "MaxOffload.offload.planner", *TINY, "remat.policy=auto", "--target", "gb200",

@@ -41,6 +41,7 @@ import math
 import os
 import sys
 
+from MaxOffload.config.loader import ConfigError
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
@@ -75,6 +76,7 @@ class Candidate:
     transfer_s: float  # per layer, one direction over the host link
     options: tuple  # decisions allowed (the scan carry cannot be recomputed)
     pinned: str = ""  # remat.tensors.NAME given by the user
+    remat_bytes: float = 0.0  # per layer: its share of the backward's recompute working set (see with_recompute_hbm)
 
     @property
     def density(self):
@@ -220,11 +222,15 @@ class Plan:
 
 
 def usage(candidates, decisions):
-    """(extra HBM over the full-remat base, host bytes, {group: copy seconds per layer}) of decisions."""
+    """(extra HBM over the base, host bytes, {group: copy seconds per layer}) of decisions. The base holds
+    the state, the scan carry and XLA's workspace; a recomputed tensor costs its share of the backward's
+    recompute working set, a kept one its bytes x layers, an offloaded one staging only."""
     hbm, host, copy = 0, 0, {}
     for c in candidates:
         d = decisions.get((c.group, c.name), REMAT)
-        if d == OFFLOAD:
+        if d == REMAT:
+            hbm += c.remat_bytes * c.layers
+        elif d == OFFLOAD:
             host += c.bytes * c.layers
             copy[c.group] = copy.get(c.group, 0.0) + c.transfer_s
             hbm += c.bytes * min(OFFLOAD_STAGING_LAYERS, c.layers)
@@ -235,10 +241,51 @@ def usage(candidates, decisions):
     return hbm, host, copy
 
 
-def feasible(candidates, costs, m, budget, decisions):
+def feasible(candidates, costs, m, budget, decisions, exposed_ok=False):
+    """Fits HBM and host, and (unless exposed_ok: fitting needed exposed copies) every group's copies hide."""
     hbm, host, copy = usage(candidates, decisions)
-    return hbm <= budget and host <= m.host_budget and all(
-        t <= m.overlap * costs[g].forward_s * (1 + 1e-9) for g, t in copy.items())
+    return hbm <= budget and host <= m.host_budget and (exposed_ok or all(
+        t <= m.overlap * costs[g].forward_s * (1 + 1e-9) for g, t in copy.items()))
+
+
+class PlanError(ConfigError):
+    """No plan fits the budgets (a configuration the hardware cannot hold: exit status 2 like any bad
+    input); the message says what the least-HBM plan would need."""
+
+
+def _fit_first(candidates, m, budget, decisions, free):
+    """When recomputing everything does not fit (the recompute working set, or the carry): offload what frees
+    the most HBM, largest first, until it fits. Returns {key: reason} of what it offloaded."""
+    forced = {}
+
+    def gain(c):
+        return (c.bytes if c.name in names.ALWAYS_KEPT else c.remat_bytes) * c.layers
+
+    movable = [c for c in candidates if not c.pinned and OFFLOAD in c.options and gain(c) > 0]
+    for c in sorted(movable, key=lambda c: (-gain(c), c.group, c.name)):
+        if usage(candidates, decisions)[0] <= budget:
+            break
+        trial = {**decisions, (c.group, c.name): OFFLOAD}
+        if usage(candidates, trial)[1] <= m.host_budget:
+            decisions.clear()
+            decisions.update(trial)
+            forced[(c.group, c.name)] = (f"offloaded to fit HBM: keeping it needs {_gib(c.bytes * c.layers)}, "
+                                         f"recomputing it {_gib(c.remat_bytes * c.layers)} of working memory")
+    return forced
+
+
+def least_hbm(candidates, base_hbm, penalty=0.0):
+    """(HBM, host) of the least-HBM plan: every offloadable tensor on the host (pins kept)."""
+    decisions = {(c.group, c.name): c.pinned or (OFFLOAD if OFFLOAD in c.options else REMAT) for c in candidates}
+    hbm, host, _ = usage(candidates, decisions)
+    return base_hbm + penalty + hbm, host
+
+
+def plan_error(m, hbm, host, what="even the least-HBM plan (every tensor offloaded)"):
+    return PlanError(f"no plan fits {m.name}: {what} needs {_gib(hbm)} of HBM per device "
+                     f"({_gib(m.hbm_usable)} usable at launch.mem_fraction) and {_gib(host)} of host memory "
+                     f"({_gib(m.host_budget)} available); use more devices (mesh), a smaller "
+                     "train.per_device_batch_size or train.seq_len, or offload.params / offload.optimizer_state")
 
 
 def _saved_s(candidates, decisions):
@@ -254,18 +301,26 @@ def search(candidates, costs, m, base_hbm, penalty=0.0):
     after moving kept tensors to the host, largest first, until the plan fits; accepted if it saves time.
     """
     budget = m.hbm_usable * (1 - HBM_MARGIN) - base_hbm - penalty
-    ok = lambda d: feasible(candidates, costs, m, budget, d)  # noqa: E731
     decisions, reasons = {}, {}
     for c in candidates:
         key = (c.group, c.name)
         if c.pinned:
             decisions[key], reasons[key] = c.pinned, "pinned by remat.tensors"
         elif c.name in names.ALWAYS_KEPT:
-            decisions[key], reasons[key] = DEVICE, "scan carry: kept (in the full-remat base)"
+            decisions[key], reasons[key] = DEVICE, "scan carry: kept (in the base)"
     free = sorted((c for c in candidates if (c.group, c.name) not in decisions),
                   key=lambda c: (-c.density, c.bytes, c.group, c.name))
+    forced = _fit_first(candidates, m, budget, decisions, free)
+    reasons.update(forced)
+    exposed_ok = bool(forced)  # fitting took offloads whose copies may not hide: time is charged, not refused
+    if not feasible(candidates, costs, m, budget, decisions, exposed_ok=True):
+        hbm, host = least_hbm(candidates, base_hbm, penalty)
+        raise plan_error(m, hbm, host)
+    ok = lambda d: feasible(candidates, costs, m, budget, d, exposed_ok)  # noqa: E731
     for c in free:
         key = (c.group, c.name)
+        if key in forced:
+            continue
         decisions[key] = REMAT
         if c.recompute_s <= 0:
             reasons[key] = "free to recompute"
@@ -353,6 +408,29 @@ def analytic_base(setup, groups, logits_vocab):
     return state + params + carry + 2 * 4 * tokens * logits_vocab + 2 * layer
 
 
+def with_recompute_hbm(candidates, full_hbm, saved_hbm):
+    """(candidates with remat_bytes set, base) from two compiles of the same step: full remat (`full_hbm`) and
+    every candidate kept in HBM (`saved_hbm`). Recomputation is not free in HBM: the backward rebuilds each
+    layer's chain with its untagged intermediates (MoE dispatch buffers above all) next to the gradients.
+    On DeepSeek small (GB200 deviceless) keeping every tagged tensor took 1,170 MiB, recomputing them 1,224:
+    the 235 MiB working set is what the additive model missed (+22%). base = saved_hbm - the kept bytes;
+    working set = full_hbm - base, shared among the recomputable tensors by their recompute FLOPs x layers."""
+    everything = {(c.group, c.name): DEVICE for c in candidates}
+    base = saved_hbm - usage(candidates, everything)[0]
+    working = max(0.0, full_hbm - base)
+    weights = {id(c): c.recompute_flops * c.layers for c in candidates if REMAT in c.options}
+    total = sum(weights.values())
+    out = [dataclasses.replace(c, remat_bytes=working * weights[id(c)] / total / c.layers)
+           if total and id(c) in weights else c for c in candidates]
+    return out, base
+
+
+def saved_config(cfg, candidates):
+    """cfg with every candidate kept in HBM (the second anchor of with_recompute_hbm)."""
+    everything = {(c.group, c.name): DEVICE for c in candidates}
+    return apply(cfg, Plan(everything, {}, candidates, {}, None, 0.0, ""))
+
+
 def compiled_memory(cfg, devices):
     from MaxOffload.train.step import TrainSetup
 
@@ -386,9 +464,13 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     other_s = 6 * tokens * mc.emb_dim * mc.vocab_size / m.peak_flops
     confirm = confirm and m.gpu
     if confirm:
-        log(f"planner: compiling full remat for {target or accelerator.name} (the HBM base) ...")
-        base, _ = compiled_memory(full, devices)
-        source = "deviceless compile of full remat" if target else "compile of full remat"
+        log(f"planner: compiling full remat and keep-everything for {target or accelerator.name} (the HBM base "
+            "and the recompute working set) ...")
+        full_hbm, _ = compiled_memory(full, devices)
+        saved_hbm, _ = compiled_memory(saved_config(cfg, candidates), devices)
+        candidates, base = with_recompute_hbm(candidates, full_hbm, saved_hbm)
+        source = ("deviceless compiles" if target else "compiles") + \
+            f" of full remat ({_gib(full_hbm)}) and keep-everything ({_gib(saved_hbm)})"
     else:
         base, source = analytic_base(setup, groups, mc.vocab_size), "analytic estimate (no compile)"
     result = Plan({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s)
@@ -400,9 +482,11 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
         over = result.compiled_hbm - m.hbm_usable * (1 - HBM_MARGIN / 2)
         if over <= 0 and result.compiled_host <= m.host_budget:
             break
+        if round_ + 1 == CONFIRM_ROUNDS:
+            raise plan_error(m, result.compiled_hbm, result.compiled_host,
+                             f"the best plan after {CONFIRM_ROUNDS} confirming compiles")
         result.hbm_penalty += max(over, 0) + max(0.0, result.compiled_hbm - result.hbm_bytes())
         result.decisions, result.reasons = search(candidates, costs, m, base, result.hbm_penalty)
-        result.compiled_hbm = result.compiled_host = None
     return result
 
 
@@ -424,20 +508,28 @@ def predict(cfg, target=None, topology=None):
 
 def check_prediction(cfg, target, topology):
     """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
-    (full-remat compile + kept tensors + offload staging) against XLA's figure for the same config."""
+    (base and recompute working set from the full-remat and keep-everything compiles, + kept tensors)
+    against XLA's figure for the same config. Decisions are read from cfg's traced step, per segment."""
     from MaxOffload.offload.inspect import activation_groups
     from MaxOffload.offload.segments import with_policy
-    from MaxOffload.train.step import TrainSetup
+    from MaxOffload.train.step import HOST, TrainSetup
 
     devices = _target_devices(target, topology)
-    base, _ = compiled_memory(with_policy(cfg, "full"), devices)
-    groups, _, _ = activation_groups(cfg, TrainSetup(cfg, devices))
+    full = with_policy(cfg, "full")
+    setup = TrainSetup(full, devices)
+    m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
+    model_candidates, _ = cost_model(full, activation_groups(full, setup)[0], m)
+    full_hbm, _ = compiled_memory(full, devices)
+    saved_hbm, _ = compiled_memory(saved_config(full, model_candidates), devices)
+    model_candidates, base = with_recompute_hbm(model_candidates, full_hbm, saved_hbm)
+    share = {(c.group, c.name): c.remat_bytes for c in model_candidates}
     candidates, decisions = [], {}
-    for label, entry in groups.items():
+    for label, entry in activation_groups(cfg, TrainSetup(cfg, devices))[0].items():
         layers = entry["layers"][1] - entry["layers"][0] + 1
         for name, t in entry["tensors"].items():
             kind = {"offload": OFFLOAD, "offload+device": DEVICE, "device": DEVICE}.get(t["result"], REMAT)
-            candidates.append(Candidate(label, name, layers, t["bytes_per_device_per_step"] // layers, 0, 0, 0, ()))
+            candidates.append(Candidate(label, name, layers, t["bytes_per_device_per_step"] // layers, 0, 0, 0, (),
+                                        remat_bytes=share.get((entry["model_group"], name), 0.0)))
             decisions[(label, name)] = kind
     return base + usage(candidates, decisions)[0], compiled_memory(cfg, devices)[0]
 
