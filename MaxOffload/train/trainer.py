@@ -87,7 +87,7 @@ def run(cfg, devices=None):
     if cfg.run.dry_run:
         if _LEAD[0]:
             write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
-        _say(f"dry run: nothing allocated or compiled; wrote {os.path.join(cfg.run.output_dir, 'summary.json')}")
+        _say(f"dry run: nothing allocated or run; wrote {os.path.join(cfg.run.output_dir, 'summary.json')}")
         return 0
     if cfg.offload.verify_parity:
         verify_parity(cfg)
