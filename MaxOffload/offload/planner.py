@@ -60,6 +60,10 @@ LINK_CALIBRATION = {"PCIe": (0.72, 0.2), "NVLink-C2C": (0.8, 0.8)}
 # XLA's figure for offloading policies matched base + kept tensors with no staging term (2 layers over-predicted
 # minimal_offloaded by 9.7%), so 0; raise it if a real GPU's figures say otherwise.
 OFFLOAD_STAGING_LAYERS = 0
+# XLA:CPU: step time a stored byte costs. Recomputing was FASTER than saving on the 2-core machine (a 2-layer
+# llama, emb 512, mlp 2048, 8 x 256 tokens, float32: full remat 1.09 s, save_all 1.23 s; docs/planner.md), far
+# beyond memory bandwidth (stored activations change XLA:CPU's fusions and layouts): fitted to that run.
+CPU_SAVE_S_PER_BYTE = 3.8e-9  # 0.38 s over the 100 MB save_all stores, beyond its predicted recompute saving
 HBM_MARGIN = 0.03  # keep this share of usable HBM free: the model's error bar
 CONFIRM_ROUNDS = 3
 
@@ -77,11 +81,12 @@ class Candidate:
     options: tuple  # decisions allowed (the scan carry cannot be recomputed)
     pinned: str = ""  # remat.tensors.NAME given by the user
     remat_bytes: float = 0.0  # per layer: its share of the backward's recompute working set (see with_recompute_hbm)
+    save_s: float = 0.0  # per layer: what storing it costs the step (bytes x Machine.save_s_per_byte)
 
     @property
     def density(self):
-        """Recompute seconds saved per byte kept: the greedy order."""
-        return self.recompute_s / max(self.bytes, 1)
+        """Net seconds saved per byte kept: the greedy order."""
+        return (self.recompute_s - self.save_s) / max(self.bytes, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,7 @@ class Machine:
     host_budget: float
     gpu: bool
     overlap: float = 1.0  # share of a layer's compute that copies hide under
+    save_s_per_byte: float = 0.0  # step time a stored byte costs (written in the forward, read in the backward)
 
 
 def machine(accelerator, mem_fraction, host_state_bytes=0):
@@ -111,7 +117,8 @@ def machine(accelerator, mem_fraction, host_state_bytes=0):
     return Machine(accelerator.name, accelerator.hbm_bytes * mem_fraction,
                    accelerator.bf16_peak_flops * MATMUL_EFFICIENCY, accelerator.hbm_bandwidth,
                    accelerator.host_link_bandwidth * link_efficiency,
-                   accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True, overlap)
+                   accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True, overlap,
+                   2 / accelerator.hbm_bandwidth)
 
 
 def cpu_machine():
@@ -120,7 +127,8 @@ def cpu_machine():
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         ram = 8 * 2**30
-    return Machine("CPU", ram / 2, 5e10 * (os.cpu_count() or 1), 2e10, math.inf, ram / 2, False)
+    return Machine("CPU", ram / 2, 5e10 * (os.cpu_count() or 1), 2e10, math.inf, ram / 2, False,
+                   save_s_per_byte=CPU_SAVE_S_PER_BYTE)
 
 
 def contraction(model_config, model_group, name, seq_len):
@@ -166,7 +174,8 @@ def cost_model(cfg, groups, m, seq_len=None):
             recompute_s = max(flops / m.peak_flops, 3 * per_layer / m.hbm_bandwidth)
             options = (DEVICE, OFFLOAD) if name in names.ALWAYS_KEPT else (REMAT, DEVICE, OFFLOAD)
             candidates.append(Candidate(group, name, layers, int(per_layer), flops, recompute_s,
-                                        per_layer / m.host_link_bandwidth, options, pinned.get(name, "")))
+                                        per_layer / m.host_link_bandwidth, options, pinned.get(name, ""),
+                                        save_s=per_layer * m.save_s_per_byte))
         costs[group] = GroupCost(group, layers, forward, forward / m.peak_flops)
     return candidates, costs
 
@@ -205,7 +214,8 @@ class Plan:
         for group, g in self.costs.items():
             members = [c for c in self.candidates if c.group == group]
             recompute = sum(c.recompute_s for c in members if self.decisions[(group, c.name)] == REMAT)
-            total += g.layers * (3 * g.forward_s + recompute + self.exposed_s(group, recompute))
+            stored = sum(c.save_s for c in members if self.decisions[(group, c.name)] != REMAT)
+            total += g.layers * (3 * g.forward_s + recompute + stored + self.exposed_s(group, recompute))
         return total
 
     def exposed_s(self, group, recompute=0.0):
@@ -289,7 +299,8 @@ def plan_error(m, hbm, host, what="even the least-HBM plan (every tensor offload
 
 
 def _saved_s(candidates, decisions):
-    return sum(c.recompute_s * c.layers for c in candidates if decisions.get((c.group, c.name), REMAT) != REMAT)
+    return sum((c.recompute_s - c.save_s) * c.layers for c in candidates
+               if decisions.get((c.group, c.name), REMAT) != REMAT)
 
 
 def search(candidates, costs, m, base_hbm, penalty=0.0):
@@ -325,6 +336,10 @@ def search(candidates, costs, m, base_hbm, penalty=0.0):
         if c.recompute_s <= 0:
             reasons[key] = "free to recompute"
             continue
+        if c.recompute_s <= c.save_s:
+            reasons[key] = (f"recomputing ({c.recompute_s * 1e3:.3g} ms/layer) costs less than storing it "
+                            f"({c.save_s * 1e3:.3g} ms)")
+            continue
         for choice, why in ((DEVICE, f"fits HBM (saves {c.recompute_s * 1e3:.3g} ms/layer of recompute)"),
                             (OFFLOAD, f"HBM full; its copy ({c.transfer_s * 1e3:.3g} ms) hides under the layer's "
                                       f"{costs[c.group].forward_s * 1e3:.3g} ms forward")):
@@ -344,7 +359,7 @@ def search(candidates, costs, m, base_hbm, penalty=0.0):
         return f"{why}: recompute {c.recompute_s * 1e3:.3g} ms/layer"
 
     # exchange pass
-    for c in sorted((c for c in free if decisions[(c.group, c.name)] == REMAT and c.recompute_s > 0),
+    for c in sorted((c for c in free if decisions[(c.group, c.name)] == REMAT and c.recompute_s > c.save_s),
                     key=lambda c: -c.recompute_s * c.layers):
         key = (c.group, c.name)
         for choice in (OFFLOAD, DEVICE):
@@ -365,7 +380,7 @@ def search(candidates, costs, m, base_hbm, penalty=0.0):
                                                   f"{k.transfer_s * 1e3:.3g} ms hides under compute")
                 break
     for c in free:
-        if decisions[(c.group, c.name)] == REMAT and c.recompute_s > 0:
+        if decisions[(c.group, c.name)] == REMAT and c.recompute_s > c.save_s:
             reasons[(c.group, c.name)] = remat_reason(c, decisions)
     return decisions, reasons
 

@@ -1,0 +1,79 @@
+"""Does the planner rank policies the way this machine does? Predicted vs measured step times, side by side.
+
+    python benchmarks/planner_order.py [CONFIG overrides...] [--rounds 5] [--policies full,minimal,save_all,auto]
+
+For each policy (remat.policy=auto resolved by the planner for this process's devices): the cost model's
+predicted step time (planner.predict) and the measured median of --rounds steps, the policies interleaved
+round by round so a noisy machine slows them alike. Prints both orders and exits 1 when they differ.
+Default model: a 3-layer float32 llama (emb 256, mlp 1024, 8 x 512 tokens) - the out-of-sample check of
+the CPU calibration (CPU_SAVE_S_PER_BYTE was fitted on a wider 2-layer model, docs/planner.md).
+"""
+import statistics
+import sys
+import time
+
+DEFAULT = ["configs/llama3_1.py:tiny", "model.emb_dim=256", "model.mlp_dim=1024", "model.num_heads=4",
+           "model.num_kv_heads=2", "model.head_dim=64", "model.num_layers=3", "model.vocab_size=512",
+           "train.seq_len=512", "train.per_device_batch_size=8", "model.compute_dtype=float32",
+           "run.output_dir=runs/planner_order"]
+
+
+def _take(argv, name, default):
+    if name in argv:
+        i = argv.index(name)
+        return argv[i + 1], argv[:i] + argv[i + 2:]
+    return default, argv
+
+
+def main(argv):
+    rounds, argv = _take(argv, "--rounds", "5")
+    policies, argv = _take(argv, "--policies", "full,minimal,save_all,auto")
+    from MaxOffload.platform import prefer_cpu_without_gpu
+
+    prefer_cpu_without_gpu()
+    import jax
+
+    from MaxOffload.config import ConfigError, load
+    from MaxOffload.offload import planner
+    from MaxOffload.parallel import logical
+    from MaxOffload.train.step import TrainSetup
+
+    argv = argv if argv and "=" not in argv[0] else DEFAULT + argv  # no config given: the default model
+    runs = {}
+    try:
+        for name in policies.split(","):
+            cfg = planner.resolve(load(argv + [f"remat.policy={name}"]), log=lambda *a: None)
+            setup = TrainSetup(cfg)
+            state = setup.init_state()
+            batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
+            step = setup.jitted_train_step()
+            with logical.activate(setup.mesh, setup.rules):
+                state, metrics = step(state, batch)  # compile + warm up
+                jax.block_until_ready(metrics)
+            runs[name] = {"setup": setup, "step": step, "state": state, "batch": batch, "times": [],
+                          "predicted": planner.predict(cfg).step_time()}
+            print(f"{name}: compiled", flush=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for _ in range(int(rounds)):
+        for run in runs.values():
+            with logical.activate(run["setup"].mesh, run["setup"].rules):
+                started = time.perf_counter()
+                run["state"], metrics = run["step"](run["state"], run["batch"])
+                jax.block_until_ready(metrics)
+                run["times"].append(time.perf_counter() - started)
+    print(f"{'policy':<10} {'predicted':>10} {'measured':>10}  (median of {rounds}, interleaved)")
+    for name, run in runs.items():
+        run["measured"] = statistics.median(run["times"])
+        print(f"{name:<10} {run['predicted'] * 1e3:>8.1f}ms {run['measured'] * 1e3:>8.1f}ms")
+    predicted = sorted(runs, key=lambda n: runs[n]["predicted"])
+    measured = sorted(runs, key=lambda n: runs[n]["measured"])
+    print(f"predicted order: {' < '.join(predicted)}\nmeasured order:  {' < '.join(measured)}")
+    print("orders agree" if predicted == measured else "orders DIFFER")
+    return 0 if predicted == measured else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+    sys.exit(main(sys.argv[1:]))
