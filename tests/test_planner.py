@@ -222,3 +222,19 @@ def test_predicted_step_times_match_the_h200_measurement():
     assert order(predicted) == order({k: measured[k] for k in predicted}) == ["auto", "remat", "offload+lhs+pipelined"]
     for name, seconds in predicted.items():
         assert seconds == pytest.approx(measured[name], rel=0.1), (name, seconds, measured[name])
+
+
+def test_sweep_writes_its_table_csv_and_chart(tmp_path):
+    """benchmarks/offload_sweep.py end to end on the tiny llama (measured on CPU; ratios there are not claims)."""
+    import csv
+
+    result = run_cli(["benchmarks/offload_sweep.py", *TINY, "model.num_layers=2", "--variants", "remat,offload,auto",
+                      "--steps", "2", "--output_dir", str(tmp_path)], env={"XDG_CACHE_HOME": str(tmp_path / "c")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "TFLOP/s per device: measured" in result.stdout and "vs remat" in result.stdout
+    with open(tmp_path / "offload_sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["variant"] for r in rows] == ["remat", "offload", "auto"]
+    assert all(float(r["step_s"]) > 0 and r["measured"] == "True" and not r["error"] for r in rows)
+    assert rows[0]["policy"] == "full" and float(rows[0]["speedup_vs_remat"]) == 1.0
+    assert (tmp_path / "offload_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
