@@ -16,23 +16,29 @@
      - compute available to hide copies = the layer's forward FLOPs / achievable peak (the sum of its
        tagged matmuls plus the Q.K^T scores) for the copy to host, 2x that (+ recomputation) for the copy back;
      - achievable peak = MATMUL_EFFICIENCY x the table's bf16 peak.
-   HBM budget = capacity x launch.mem_fraction - base, base = the deviceless compile of full remat
-   (parameters, optimizer state, gradients, the scan carry, logits and XLA's workspace as XLA lays them
-   out) or, with --no_confirm / no GPU target, an analytic estimate (`analytic_base`). A tensor kept in HBM
-   costs its bytes x layers; an offloaded one costs host bytes x layers plus OFFLOAD_STAGING_LAYERS layers
-   of HBM staging. Host budget = host RAM per GPU x aot.HOST_USABLE - host-resident state.
-2. Search (greedy, by recompute seconds saved per byte, `search`): keep in HBM while it fits; otherwise
-   offload while the host budget holds and the group's copies still hide under the link's overlap share
-   of compute (LINK_CALIBRATION);
+     - storing a tensor (kept or offloaded) costs bytes x Machine.save_s_per_byte of step time: 2 / HBM
+       bandwidth on a GPU, CPU_SAVE_S_PER_BYTE (measured) on XLA:CPU.
+   HBM budget = capacity x launch.mem_fraction - base. With a GPU target the base and the backward's
+   recompute working set come from two compiles, full remat and keep-everything (`with_recompute_hbm`):
+   base = keep-everything - the kept bytes (parameters, optimizer state, gradients, the scan carry, logits,
+   XLA's workspace); working set = full remat - base, shared among the recomputable tensors by recompute
+   FLOPs. With --no_confirm / no GPU target: an analytic base (`analytic_base`) and no working set. A
+   recomputed tensor costs its working-set share, a kept one its bytes x layers, an offloaded one host bytes
+   x layers plus OFFLOAD_STAGING_LAYERS layers of HBM staging. Host budget = host RAM per GPU x
+   aot.HOST_USABLE - host-resident state.
+2. Search (`search`): if recomputing everything does not fit, offload what frees the most HBM first
+   (`_fit_first`); if even the least-HBM plan does not fit, PlanError says what it would need. Then greedy
+   by net seconds saved per byte: keep in HBM while it fits; otherwise offload while the host budget holds
+   and the group's copies still hide under the link's overlap share of compute (LINK_CALIBRATION);
    otherwise recompute. Tensors the user pinned with remat.tensors.NAME stay as given. Then (confirm)
    the plan is compiled deviceless; while XLA's HBM figure is over the usable HBM, the planner charges the
-   overshoot to the budget and searches again (at most CONFIRM_ROUNDS compiles).
+   overshoot to the budget and searches again (at most CONFIRM_ROUNDS compiles, then PlanError).
 3. Output: a table (tensor, group, bytes, decision, reason), predicted step time and TFLOP/s per device,
    and the exact override lines (`remat.policy=custom remat.tensors.X=...`, or per model group
    `remat.groups.auto_moe.layers=moe remat.groups.auto_moe.tensors.X=...`).
 Plans are cached per config (JSON in ~/.cache/maxoffload/plans, keyed by a hash of everything that
 changes the plan). On CPU (no GPU target), offloaded tensors are simply kept (XLA:CPU drops the host
-placement), so the planner uses `CPU` below: memory = half the machine's RAM, copies free.
+placement), so the planner uses `CPU` below: memory = half the machine's RAM, copies free, storing costly.
 """
 import dataclasses
 import hashlib
