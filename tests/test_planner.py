@@ -238,3 +238,22 @@ def test_sweep_writes_its_table_csv_and_chart(tmp_path):
     assert all(float(r["step_s"]) > 0 and r["measured"] == "True" and not r["error"] for r in rows)
     assert rows[0]["policy"] == "full" and float(rows[0]["speedup_vs_remat"]) == 1.0
     assert (tmp_path / "offload_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_auto_plan_is_what_inspect_finds_in_the_step(tmp_path):
+    """The resolved auto plan, traced: every planned decision is what inspect reads from the step's jaxpr
+    (offload / saved in HBM / recomputed), per model group, with no problems reported."""
+    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.train.step import TrainSetup
+
+    cfg = load([*TINY, "remat.policy=auto", "remat.tensors.mlpwi_0=offload", f"run.output_dir={tmp_path}"])
+    result = planner.plan(cfg, "gb200", "1x1x4", confirm=False, log=quiet)
+    resolved = planner.with_overrides(cfg, planner.override_lines(result))
+    groups, problems, _ = activation_groups(resolved, TrainSetup(resolved, planner._target_devices("gb200", "1x1x4")))
+    assert not problems
+    seen = {(entry["model_group"], name): t["result"] for entry in groups.values()
+            for name, t in entry["tensors"].items()}
+    expected = {OFFLOAD: "offload", DEVICE: "device", REMAT: "remat"}
+    assert {seen[key] for key in result.decisions} >= {"offload", "device"}
+    for key, decision in result.decisions.items():
+        assert seen[key] == expected[decision], (key, decision, seen[key])
