@@ -204,6 +204,16 @@ def add_layer_group(cfg, name, layers, policy="", **tensors):
         cfg.remat.groups[name] = layer_group(layers, policy, **tensors)
 
 
+def reset_remat(cfg, policy):
+    """Sets remat.policy and drops every per-tensor setting and layer group, in place."""
+    with cfg.unlocked():
+        cfg.remat.policy = policy
+        for name in cfg.remat.tensors:
+            cfg.remat.tensors[name] = ""
+        for group in list(cfg.remat.groups):
+            del cfg.remat.groups[group]
+
+
 def _build(schema):
     cfg = ml_collections.ConfigDict()
     for key, spec in schema.items():

@@ -182,6 +182,7 @@ def split_overrides(args):
 
 def load(argv):
     """argv (without the program name) -> validated, locked ConfigDict."""
+    from MaxOffload.config.defaults import reset_remat
     from MaxOffload.config.validate import validate
 
     if not argv:
@@ -194,11 +195,7 @@ def load(argv):
     if ("remat.policy", "auto") in overrides:
         # auto on the command line replaces the file's hand-tuned remat recipe (its per-tensor settings and
         # layer groups); remat.tensors.NAME given on the command line are pins the planner keeps
-        with cfg.unlocked():
-            for name in cfg.remat.tensors:
-                cfg.remat.tensors[name] = ""
-            for group in list(cfg.remat.groups):
-                del cfg.remat.groups[group]
+        reset_remat(cfg, "auto")
     for key, value in overrides:
         apply_override(cfg, key, value)
     validate(cfg)

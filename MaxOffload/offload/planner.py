@@ -582,16 +582,11 @@ def override_lines(result):
 
 def apply(cfg, result):
     """A copy of cfg with the plan written out as remat.policy=custom + tensors / groups."""
-    from MaxOffload.config.defaults import add_layer_group
+    from MaxOffload.config.defaults import add_layer_group, reset_remat
 
     variant = cfg.copy_and_resolve_references()
     per_group = group_decisions(result)
-    with variant.unlocked():
-        variant.remat.policy = "custom"
-        for name in variant.remat.tensors:
-            variant.remat.tensors[name] = ""
-        for group in list(variant.remat.groups):
-            del variant.remat.groups[group]
+    reset_remat(variant, "custom")
     if len(per_group) == 1:
         (only,) = per_group.values()
         for name, d in only.items():
@@ -693,14 +688,12 @@ def resolve(cfg, target=None, topology=None, confirm=True, use_cache=True, log=p
 
 def with_overrides(cfg, lines):
     """A copy of cfg (auto cleared) with the override lines applied and validated."""
+    from MaxOffload.config.defaults import reset_remat
     from MaxOffload.config.loader import apply_override
     from MaxOffload.config.validate import validate
 
     variant = cfg.copy_and_resolve_references()
-    with variant.unlocked():
-        variant.remat.policy = "custom"
-        for name in variant.remat.tensors:
-            variant.remat.tensors[name] = ""
+    reset_remat(variant, "custom")
     for line in lines:
         key, _, value = line.partition("=")
         apply_override(variant, key, value)

@@ -10,6 +10,7 @@ Ranges split the scan: each run of layers with the same decisions is one scanned
 import dataclasses
 import re
 
+from MaxOffload.config.defaults import reset_remat
 from MaxOffload.config.loader import ConfigError, suggest
 from MaxOffload.offload import policy as policy_lib
 
@@ -95,10 +96,5 @@ def layer_segments(remat_cfg, model_groups):
 def with_policy(cfg, preset):
     """A copy of cfg whose every layer uses `preset` (no per-tensor settings, no groups)."""
     variant = cfg.copy_and_resolve_references()
-    with variant.unlocked():
-        variant.remat.policy = preset
-        for name in variant.remat.tensors:
-            variant.remat.tensors[name] = ""
-        for group in list(variant.remat.groups):
-            del variant.remat.groups[group]
+    reset_remat(variant, preset)
     return variant
