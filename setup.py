@@ -3,13 +3,16 @@ from setuptools import find_packages, setup
 with open("requirements.txt") as f:
     requirements = [line.strip() for line in f if line.strip() and not line.startswith("#")]
 
+# Tokenizers read from local files by `python -m MaxOffload.data.prepare` (tokenizer.json, SentencePiece
+# .model) are optional: imported only when such a file is given.
 DATA = ["tokenizers>=0.19", "sentencepiece>=0.2"]
-# The deviceless GPU compile (python -m MaxOffload.aot) needs XLA's GPU compiler: the JAX CUDA plugin,
-# version-matched to jaxlib (no GPU, driver or nvidia-* libraries needed to compile). With another
-# jaxlib, install the plugin of that version; the aot tool says exactly which.
-JAX_VERSION = "0.10.2"
-AOT = [f"jax=={JAX_VERSION}", f"jaxlib=={JAX_VERSION}", f"jax-cuda13-plugin=={JAX_VERSION}",
-       f"jax-cuda13-pjrt=={JAX_VERSION}"]
+# The deviceless GPU compile (python -m MaxOffload.aot) needs XLA's GPU compiler: the JAX CUDA plugin of
+# exactly the installed jaxlib's version (no GPU, driver or nvidia-* libraries are needed to compile).
+# jax's own `cuda13-local` extra pins jaxlib and the plugin to the jax version pip resolves, so the match
+# is computed at install time on every stack (0.10.2 on Python 3.11, the newest jax on 3.12).
+AOT = ["jax[cuda13-local]"]
+# benchmarks/offload_sweep.py and moe/attention benchmarks draw their charts with matplotlib.
+BENCH = ["matplotlib>=3.7"]
 
 setup(
     name="MaxOffload",
@@ -18,12 +21,9 @@ setup(
     packages=find_packages(include=["MaxOffload", "MaxOffload.*"]),
     python_requires=">=3.11",
     install_requires=requirements,
-    # Tokenizers read from local files by `python -m MaxOffload.data.prepare` (tokenizer.json, SentencePiece
-    # .model) are optional: imported only when such a file is given. The test extra includes them because
-    # tests/test_data.py trains tiny tokenizers of both kinds and prepares a corpus with each.
-    # The test extra includes both: tests prepare corpora with each tokenizer kind and compile for GB200.
-    # pytest-xdist runs the suite's files on both cores of a small machine (most tests wait on subprocesses).
-    # bench: benchmarks/offload_sweep.py draws its bar chart with matplotlib (the tests do not need it).
-    extras_require={"data": DATA, "aot": AOT, "bench": ["matplotlib>=3.7"],
-                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT]},
+    # The test extra holds every package a test imports (tests/test_install.py checks it): the tokenizers
+    # (tests prepare corpora with each kind), the CUDA plugin (tests compile for GB200), matplotlib (a test
+    # runs the sweep benchmark, which draws its chart) and pytest-xdist (the suite runs on both cores).
+    extras_require={"data": DATA, "aot": AOT, "bench": BENCH,
+                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT, *BENCH]},
 )

@@ -1,9 +1,12 @@
-"""Train a model: python train.py CONFIG.py[:ARG] [key=value | --config.key=value ...]
+"""Train a model: python train.py CONFIG.py[:ARG] [key=value | --config.key=value ...] [--output_dir DIR]
 
 Examples:
   python train.py configs/quickstart.py
   python train.py configs/llama3_1.py:405b run.dry_run=true
   python train.py configs/quickstart.py train.steps=50 --config.model.num_layers=2
+
+Exit status: 0 done, 1 stopped on a non-finite step or a parity failure, 2 bad input, 42 preempted (saved;
+the Slurm launcher requeues).
 """
 import os
 import sys
@@ -19,51 +22,48 @@ def print_help():
 
 
 def main(argv):
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv):
     from MaxOffload.platform import prefer_cpu_without_gpu
 
     prefer_cpu_without_gpu()
     if argv and argv[0] in ("-h", "--help"):
         print_help()
         return 0
+    from MaxOffload import cli
     from MaxOffload.config import ConfigError, load
-    from MaxOffload.offload.parity import ParityError
-    from MaxOffload.train.errors import NonFiniteError
 
-    try:
-        cfg = load(argv)
-        from MaxOffload import xla
+    argv, _, _ = cli.parse(argv, __doc__)
+    cfg = load(argv)
+    from MaxOffload import xla
 
-        flags = xla.apply(cfg)  # before JAX's backend starts
-        if flags and os.environ.get("SLURM_PROCID", "0") == "0":
-            print(f"xla.preset={cfg.xla.preset}: XLA_FLAGS += {' '.join(flags)}", flush=True)
-        from MaxOffload.offload.planner import resolve
+    flags = xla.apply(cfg)  # before JAX's backend starts
+    if flags and os.environ.get("SLURM_PROCID", "0") == "0":
+        print(f"xla.preset={cfg.xla.preset}: XLA_FLAGS += {' '.join(flags)}", flush=True)
+    from MaxOffload.offload.planner import resolve
 
-        devices = None
-        if cfg.run.dry_run and cfg.remat.policy == "auto":
-            # a dry run proves the launch: plan for the aot target, confirmed by its deviceless compile
-            from MaxOffload import aot
+    devices = None
+    if cfg.run.dry_run and cfg.remat.policy == "auto":
+        # a dry run proves the launch: plan for the aot target, confirmed by its deviceless compile
+        from MaxOffload import aot
 
-            missing = aot.plugin_missing()
-            if missing:
-                raise ConfigError(f"remat.policy=auto with run.dry_run=true plans for aot.target: {missing}")
-            print(f"remat.policy=auto: planning for aot.target={cfg.aot.target} aot.topology={cfg.aot.topology} "
-                  "(dry run: the launch's GPUs, compiled deviceless)", flush=True)
-            cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)
-            devices = aot.compile_only_devices(cfg.aot.target, cfg.aot.topology)
-        else:
-            cfg = resolve(cfg)  # remat.policy=auto -> explicit settings (planned once per config, cached)
-        from MaxOffload.train.trainer import run
+        missing = aot.plugin_missing()
+        if missing:
+            raise ConfigError(f"remat.policy=auto with run.dry_run=true plans for aot.target: {missing}")
+        print(f"remat.policy=auto: planning for aot.target={cfg.aot.target} aot.topology={cfg.aot.topology} "
+              "(dry run: the launch's GPUs, compiled deviceless)", flush=True)
+        cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)
+        devices = aot.compile_only_devices(cfg.aot.target, cfg.aot.topology)
+    else:
+        cfg = resolve(cfg)  # remat.policy=auto -> explicit settings (planned once per config, cached)
+    from MaxOffload.train.trainer import run
 
-        return run(cfg, devices)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ParityError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run(cfg, devices)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Prove it before launch: compile the real training step for a GPU cluster on a CPU-only machine.
 
     python -m MaxOffload.aot CONFIG.py[:ARG] [overrides...] [--target gb200] [--topology 2x16x4]
+                             [--output_dir DIR]
+
+--target/--topology/--output_dir are aot.target/aot.topology/run.output_dir (MaxOffload/cli.py): the
+last one given on the command line wins.
 
 XLA's own GPU compiler (the JAX CUDA plugin, no GPU or driver needed) compiles the same step
 as train.py — same model, policies, mesh and XLA preset — for compile-only devices described
@@ -23,8 +27,12 @@ def plugin_missing():
 
     import jaxlib
 
-    if importlib.util.find_spec("jax_plugins.xla_cuda13") or importlib.util.find_spec("jax_plugins.xla_cuda12"):
-        return None
+    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            if importlib.util.find_spec(name):
+                return None
+        except ModuleNotFoundError:  # no jax_plugins package at all
+            pass
     v = jaxlib.__version__
     return (f"the deviceless GPU compile needs the JAX CUDA plugin matching jaxlib {v}: "
             f"pip install 'jax-cuda13-plugin=={v}' 'jax-cuda13-pjrt=={v}' (or pip install -e '.[aot]')")
@@ -44,6 +52,7 @@ def compile_only_devices(target, topology):
 
 def build_report(cfg, target, topology):
     from MaxOffload import hardware
+    from MaxOffload.offload import xla_bugs
     from MaxOffload.offload.inspect import activation_groups
     from MaxOffload.parallel.mesh import describe as mesh_describe
     from MaxOffload.train.step import HOST, TrainSetup
@@ -77,6 +86,7 @@ def build_report(cfg, target, topology):
         "offloaded": {label: g["offloaded"] for label, g in groups.items()},
         "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
         "problems": problems, "compile_time_s": compile_time,
+        "warnings": [w for w in [xla_bugs.affects(cfg, "gpu")] if w],
     }
 
 
@@ -103,22 +113,24 @@ def format_report(r):
         lines.append(f"  {label}: offloaded {', '.join(names) or '-'}")
     if r["problems"]:
         lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))
+    lines += [f"WARNING: {w}" for w in r.get("warnings", [])]
     return "\n".join(lines)
 
 
-def _take_option(argv, name):
-    if name in argv:
-        i = argv.index(name)
-        if i + 1 >= len(argv):
-            raise SystemExit(f"error: {name} needs a value")
-        return argv[i + 1], argv[:i] + argv[i + 2:]
-    for i, arg in enumerate(argv):
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    return None, argv
+TARGET_KEYS = ("--target", "--topology", "--output_dir")  # the cli options of the deviceless tools
 
 
 def main(argv):
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
+
+    argv, _, _ = cli.parse(argv, __doc__, keys=TARGET_KEYS)
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed
@@ -126,28 +138,21 @@ def main(argv):
     from MaxOffload.config import ConfigError, load
     from MaxOffload.reports import publish
 
-    try:
-        target, argv = _take_option(argv, "--target")
-        topology, argv = _take_option(argv, "--topology")
-        overrides = [f"aot.target={target}"] * bool(target) + [f"aot.topology={topology}"] * bool(topology)
-        cfg = load(argv[:1] + argv[1:] + overrides) if argv else load(argv)
-        missing = plugin_missing()
-        if missing:
-            raise ConfigError(missing)
-        xla.apply(cfg)
-        from MaxOffload.offload.planner import resolve
+    cfg = load(argv)
+    missing = plugin_missing()
+    if missing:
+        raise ConfigError(missing)
+    xla.apply(cfg)
+    from MaxOffload.offload.planner import resolve
 
-        cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)  # remat.policy=auto: plan for this target
+    cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)  # remat.policy=auto: plan for this target
+    try:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
-        print(f"compiling the training step of {argv[0]} for {cfg.aot.topology} x {cfg.aot.target} "
-              "(deviceless) ...", flush=True)
-        report = build_report(cfg, cfg.aot.target, cfg.aot.topology)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except OSError as e:
-        print(f"error: run.output_dir: {e.strerror}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"run.output_dir={cfg.run.output_dir}: {e.strerror}; choose a writable directory") from None
+    print(f"compiling the training step of {argv[0]} for {cfg.aot.topology} x {cfg.aot.target} "
+          "(deviceless) ...", flush=True)
+    report = build_report(cfg, cfg.aot.target, cfg.aot.topology)
     publish(cfg, "aot_report.json", report, format_report(report))
     return 0 if report["fits"] else 1
 

@@ -1,5 +1,9 @@
-"""Policy x XLA-preset sweep: python benchmarks/offload_sweep.py CONFIG [overrides] --output_dir DIR
+"""Policy x XLA-preset sweep: python benchmarks/offload_sweep.py CONFIG [overrides] [--output_dir DIR]
                                    [--target gb200 --topology 2x16x4] [--steps 5] [--variants remat,auto]
+
+Needs matplotlib for its chart: pip install -e '.[bench]' (the test extra includes it).
+--output_dir/--target/--topology are run.output_dir/aot.target/aot.topology (MaxOffload/cli.py). The sweep
+compiles deviceless when aot.target is given on the command line (--target X or aot.target=X).
 
 Variants (each in its own process: XLA_FLAGS must be set before the backend starts):
   remat                      remat.policy=full,          xla.preset=baseline
@@ -34,11 +38,12 @@ VARIANTS = {
 _CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, os.getcwd())
-argv, target, topology, steps = json.loads(sys.argv[1])
+argv, deviceless, steps = json.loads(sys.argv[1])
 from MaxOffload import xla
 from MaxOffload.config import load
 cfg = load(argv)
 xla.apply(cfg)
+target, topology = (cfg.aot.target, cfg.aot.topology) if deviceless else (None, None)
 from MaxOffload.offload import planner
 from MaxOffload import models
 from MaxOffload.train import flops
@@ -78,15 +83,6 @@ print("ROW " + json.dumps(row))
 """
 
 
-def _take(argv, name, default=None):
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1], argv[:i] + argv[i + 2:]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    return default, argv
-
-
 def offload_policy(argv):
     """The config's own policy if it offloads anything, else minimal_offloaded."""
     from MaxOffload.config import load
@@ -95,7 +91,7 @@ def offload_policy(argv):
     if cfg.remat.policy not in ("auto",):
         from MaxOffload import models
 
-        if any(d == "offload" for seg in models.remat_segments(cfg) for _, d in seg.decisions):
+        if models.offloads_activations(cfg):
             return []
     return ["remat.policy=minimal_offloaded"] + [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
 
@@ -109,32 +105,41 @@ def variant_argv(argv, name):
         cfg = load(argv)
         extra += [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
         if cfg.remat.groups:
-            raise SystemExit(f"error: {argv[0]} has remat.groups; the '{name}' variant needs a config without them")
+            from MaxOffload.errors import ConfigError
+
+            raise ConfigError(f"{argv[0]} has remat.groups; the '{name}' variant needs a config without them")
     return argv + extra + [f"xla.preset={preset}"]
 
 
 def main(argv):
-    os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", ""))
-    output_dir, argv = _take(argv, "--output_dir", "runs/offload_sweep")
-    target, argv = _take(argv, "--target")
-    topology, argv = _take(argv, "--topology", "1x1x4")
-    steps, argv = _take(argv, "--steps", "5")
-    names, argv = _take(argv, "--variants", ",".join(VARIANTS))
-    if not argv:
-        print(__doc__)
-        return 2
-    from MaxOffload.config import ConfigError
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
 
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
+    from MaxOffload.config import ConfigError, load
+
+    argv, options, _ = cli.parse(argv, __doc__, keys=("--target", "--topology", "--output_dir"),
+                                 options={"--steps": "5", "--variants": ",".join(VARIANTS)})
+    cfg = load(argv)
+    output_dir, target = cfg.run.output_dir, cfg.aot.target
+    deviceless = any(a.startswith(("aot.target=", "--config.aot.target=")) for a in argv[1:])
+    names = options["--variants"].split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"--variants: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    if not options["--steps"].isdigit() or int(options["--steps"]) < 1:
+        raise ConfigError(f"--steps must be a positive whole number, got {options['--steps']!r}")
+    steps = int(options["--steps"])
     rows = []
-    try:
-        plans = {name: variant_argv(argv, name) for name in names.split(",")}
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if target else {}))
+    plans = {name: variant_argv(argv, name) for name in names}
+    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if deviceless else {}))
     for name, child_argv in plans.items():
         print(f"{name}: {' '.join(child_argv[1:])}", flush=True)
-        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([child_argv, target, topology, int(steps)])],
+        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([child_argv, deviceless, steps])],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
         if line is None:
@@ -148,6 +153,7 @@ def main(argv):
         if "error" not in r and base:
             r["speedup_vs_remat"] = r["tflops_per_device"] / base["tflops_per_device"]
     os.makedirs(output_dir, exist_ok=True)
+    target = target if deviceless else None
     print(format_table(rows, target))
     write_csv(rows, os.path.join(output_dir, "offload_sweep.csv"))
     plot(rows, os.path.join(output_dir, "offload_sweep.png"), target)

@@ -18,44 +18,44 @@ DEFAULT = ["configs/llama3_1.py:tiny", "model.emb_dim=256", "model.mlp_dim=1024"
            "run.output_dir=runs/planner_order"]
 
 
-def _take(argv, name, default):
-    if name in argv:
-        i = argv.index(name)
-        return argv[i + 1], argv[:i] + argv[i + 2:]
-    return default, argv
-
-
 def main(argv):
-    rounds, argv = _take(argv, "--rounds", "5")
-    policies, argv = _take(argv, "--policies", "full,minimal,save_all,auto")
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
+
+    argv, options, _ = cli.parse(argv, __doc__, options={"--rounds": "5", "--policies": "full,minimal,save_all,auto"})
+    rounds, policies = options["--rounds"], options["--policies"]
+    if not rounds.isdigit() or int(rounds) < 1:
+        raise cli.ConfigError(f"--rounds must be a positive whole number, got {rounds!r}")
     from MaxOffload.platform import prefer_cpu_without_gpu
 
     prefer_cpu_without_gpu()
     import jax
 
-    from MaxOffload.config import ConfigError, load
+    from MaxOffload.config import load
     from MaxOffload.offload import planner
     from MaxOffload.parallel import logical
     from MaxOffload.train.step import TrainSetup
 
     argv = argv if argv and "=" not in argv[0] else DEFAULT + argv  # no config given: the default model
     runs = {}
-    try:
-        for name in policies.split(","):
-            cfg = planner.resolve(load(argv + [f"remat.policy={name}"]), log=lambda *a: None)
-            setup = TrainSetup(cfg)
-            state = setup.init_state()
-            batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
-            step = setup.jitted_train_step()
-            with logical.activate(setup.mesh, setup.rules):
-                state, metrics = step(state, batch)  # compile + warm up
-                jax.block_until_ready(metrics)
-            runs[name] = {"setup": setup, "step": step, "state": state, "batch": batch, "times": [],
-                          "predicted": planner.predict(cfg).step_time()}
-            print(f"{name}: compiled", flush=True)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for name in policies.split(","):
+        cfg = planner.resolve(load(argv + [f"remat.policy={name}"]), log=lambda *a: None)
+        setup = TrainSetup(cfg)
+        state = setup.init_state()
+        batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
+        step = setup.jitted_train_step()
+        with logical.activate(setup.mesh, setup.rules):
+            state, metrics = step(state, batch)  # compile + warm up
+            jax.block_until_ready(metrics)
+        runs[name] = {"setup": setup, "step": step, "state": state, "batch": batch, "times": [],
+                      "predicted": planner.predict(cfg).step_time()}
+        print(f"{name}: compiled", flush=True)
     for _ in range(int(rounds)):
         for run in runs.values():
             with logical.activate(run["setup"].mesh, run["setup"].rules):

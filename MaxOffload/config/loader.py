@@ -11,9 +11,7 @@ import re
 
 import ml_collections
 
-
-class ConfigError(Exception):
-    """A user mistake in a config file or override; the message is the whole story."""
+from MaxOffload.errors import ConfigError  # noqa: F401  (raised here; kept importable from the config package)
 
 
 def flat_keys(cfg, prefix=""):

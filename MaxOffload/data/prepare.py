@@ -1,6 +1,6 @@
 """Text / JSONL files -> a memory-mappable token file that `data.source=tokens data.path=DIR` trains on.
 
-    python -m MaxOffload.data.prepare INPUTS... --out DIR [--tokenizer byte|PATH/tokenizer.json|PATH/m.model]
+    python -m MaxOffload.data.prepare INPUTS... --output_dir DIR [--tokenizer byte|PATH/tokenizer.json|PATH/m.model]
         [--jsonl_field text] [--separator STRING] [--eval_fraction 0.05] [--eos_token TOKEN]
 
 Inputs (files or directories, searched recursively, in sorted order):
@@ -240,7 +240,7 @@ def _output_dir(out):
         os.remove(probe)
     except OSError as e:
         raise PrepareError(f"output directory {out} is not writable ({e.strerror}); choose a directory you can "
-                           "write to with --out") from None
+                           "write to with --output_dir") from None
 
 
 def _sha256_file(path):
@@ -373,7 +373,8 @@ def _parser():
     p = _Parser(prog="python -m MaxOffload.data.prepare", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("inputs", nargs="*", metavar="INPUTS", help=".txt / .jsonl files or directories of them")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if needed)")
+    p.add_argument("--output_dir", "--out", dest="out", required=True, metavar="DIR",
+                   help="output directory (created if needed); --out is the older spelling")
     p.add_argument("--tokenizer", default="byte", help="byte (default) | PATH/tokenizer.json | PATH/model.model")
     p.add_argument("--jsonl_field", default="text", help="the JSONL field holding the document text")
     p.add_argument("--separator", default=None, help="split .txt files into documents at this string "

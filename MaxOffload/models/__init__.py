@@ -31,6 +31,11 @@ def remat_segments(cfg):
     return segments.layer_segments(cfg.remat, layer_groups(cfg))
 
 
+def offloads_activations(cfg):
+    """Whether any layer segment moves a tagged activation to pinned host memory."""
+    return any(d == "offload" for seg in remat_segments(cfg) for _, d in seg.decisions)
+
+
 def _segments_by_stack(cfg):
     """{model group: ((start, stop, policy, label), ...)} with start/stop relative to that stack."""
     groups, out = layer_groups(cfg), {}

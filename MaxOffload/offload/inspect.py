@@ -1,6 +1,6 @@
 """Proof of placement: what the real training step does with every named activation.
 
-    python -m MaxOffload.offload.inspect CONFIG.py[:ARG] [overrides...] [--no_cpu_memory]
+    python -m MaxOffload.offload.inspect CONFIG.py[:ARG] [overrides...] [--no_cpu_memory] [--output_dir DIR]
 
 Traces the same training step as train.py and reads, per scan segment (layer group), what
 the backward pass gets for each tagged name: a residual moved to pinned host ("offload"),
@@ -257,29 +257,34 @@ def format_report(report):
 
 
 def main(argv):
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv):
     from MaxOffload.platform import prefer_cpu_without_gpu
     from MaxOffload.reports import publish
 
+    from MaxOffload import cli
+
+    argv, _, flags = cli.parse(argv, __doc__, flags=("--no_cpu_memory",))
     prefer_cpu_without_gpu()
     from MaxOffload.config import ConfigError, load
     from MaxOffload.train.step import TrainSetup
 
-    cpu_memory = "--no_cpu_memory" not in argv
-    argv = [a for a in argv if a != "--no_cpu_memory"]
-    try:
-        from MaxOffload.offload.planner import resolve
+    cpu_memory = not flags["--no_cpu_memory"]
+    from MaxOffload.offload.planner import resolve
 
-        cfg = resolve(load(argv))  # remat.policy=auto -> explicit settings
-        if not cfg.model.scan_layers:
-            raise ConfigError("inspect reads the scanned layer segments; drop model.scan_layers=false")
-        setup = TrainSetup(cfg)
+    cfg = resolve(load(argv))  # remat.policy=auto -> explicit settings
+    if not cfg.model.scan_layers:
+        raise ConfigError("inspect reads the scanned layer segments; drop model.scan_layers=false")
+    setup = TrainSetup(cfg)
+    try:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except OSError as e:
-        print(f"error: run.output_dir={cfg.run.output_dir}: {e.strerror}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"run.output_dir={cfg.run.output_dir}: {e.strerror}; choose a writable directory") from None
     print(f"lowering the training step of {argv[0]} for CUDA ...", flush=True)
     report = build_report(cfg, setup, cpu_memory=cpu_memory and setup.params_total() < 200_000_000)
     publish(cfg, "offload_report.json", report, format_report(report))

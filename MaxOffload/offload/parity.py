@@ -12,9 +12,7 @@ one does not, 2 on a configuration error.
 import contextlib
 import sys
 
-
-class ParityError(Exception):
-    """The configured policy changed the loss or gradients: an XLA offload bug, not a user mistake."""
+from MaxOffload.errors import ParityError  # noqa: F401  (raised by the trainer's pre-flight)
 
 
 # Relative tolerances on the loss and on ||g - g_ref|| / ||g_ref||. Recomputing instead of saving reruns
@@ -88,23 +86,25 @@ def format_rows(ref_loss, tolerance, rows):
 
 
 def main(argv):
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
     from MaxOffload.platform import prefer_cpu_without_gpu
 
+    argv, _, flags = cli.parse(argv, __doc__, keys=(), flags=("--all_presets",))
     prefer_cpu_without_gpu()
-    from MaxOffload.config import ConfigError, load
+    from MaxOffload.config import load
+    from MaxOffload.offload.planner import resolve
     from MaxOffload.offload.policy import PRESETS
 
-    all_presets = "--all_presets" in argv
-    argv = [a for a in argv if a != "--all_presets"]
-    try:
-        from MaxOffload.offload.planner import resolve
-
-        cfg = resolve(load(argv))  # remat.policy=auto -> explicit settings
-        presets = [p for p in PRESETS if p not in ("full", "custom")] if all_presets else []
-        ref_loss, tolerance, rows = compare(cfg, presets)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = resolve(load(argv))  # remat.policy=auto -> explicit settings
+    presets = [p for p in PRESETS if p not in ("full", "custom")] if flags["--all_presets"] else []
+    ref_loss, tolerance, rows = compare(cfg, presets)
     print(format_rows(ref_loss, tolerance, rows))
     bad = [r[0] for r in rows if not r[4]]
     print(f"parity FAILED for: {', '.join(bad)}" if bad else "parity holds: same loss and gradients as full remat")

@@ -1,7 +1,9 @@
 """Automatic offload planner: `remat.policy=auto` -> remat / device / offload per tensor and layer group.
 
     python -m MaxOffload.offload.planner CONFIG.py[:ARG] [overrides...] [--target gb200] [--topology 2x16x4]
-                                         [--no_confirm]
+                                         [--no_confirm] [--output_dir DIR]
+
+--target/--topology are aot.target/aot.topology (MaxOffload/cli.py): the last one given wins.
 
 1. Cost model (explicit and small, see `Candidate` and `GroupCost`). The step is traced once under full
    remat (MaxOffload.offload.inspect.activation_groups): per model group (llama: decoder; deepseek: dense,
@@ -47,7 +49,7 @@ import math
 import os
 import sys
 
-from MaxOffload.config.loader import ConfigError
+from MaxOffload.errors import ConfigError, PlanError
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
@@ -262,11 +264,6 @@ def feasible(candidates, costs, m, budget, decisions, exposed_ok=False):
     hbm, host, copy = usage(candidates, decisions)
     return hbm <= budget and host <= m.host_budget and (exposed_ok or all(
         t <= m.overlap * costs[g].forward_s * (1 + 1e-9) for g, t in copy.items()))
-
-
-class PlanError(ConfigError):
-    """No plan fits the budgets (a configuration the hardware cannot hold: exit status 2 like any bad
-    input); the message says what the least-HBM plan would need."""
 
 
 def _fit_first(candidates, m, budget, decisions, free):
@@ -702,29 +699,30 @@ def with_overrides(cfg, lines):
 
 
 def main(argv):
-    from MaxOffload.aot import _take_option, plugin_missing
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
 
-    confirm = "--no_confirm" not in argv  # the CLI always plans afresh; resolve() caches for train.py/aot
-    argv = [a for a in argv if a != "--no_confirm"]
-    target, argv = _take_option(argv, "--target")
-    topology, argv = _take_option(argv, "--topology")
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
+    from MaxOffload.aot import TARGET_KEYS, plugin_missing
+
+    argv, _, flags = cli.parse(argv, __doc__, keys=TARGET_KEYS, flags=("--no_confirm",))
+    confirm = not flags["--no_confirm"]  # the CLI always plans afresh; resolve() caches for train.py/aot
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed
     from MaxOffload import xla
-    from MaxOffload.config import ConfigError, load
+    from MaxOffload.config import load
 
-    try:
-        overrides = [f"aot.target={target}"] * bool(target) + [f"aot.topology={topology}"] * bool(topology)
-        cfg = load(argv + overrides)
-        missing = plugin_missing()
-        if missing:
-            raise ConfigError(missing)
-        xla.apply(cfg)
-        result = plan(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load(argv)
+    missing = plugin_missing()
+    if missing:
+        raise ConfigError(missing)
+    xla.apply(cfg)
+    result = plan(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
     print(format_plan(result))
     fits = result.hbm_bytes() <= result.machine.hbm_usable and (
         result.compiled_hbm is None or result.compiled_hbm <= result.machine.hbm_usable)

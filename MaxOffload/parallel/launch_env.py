@@ -59,14 +59,18 @@ def exports(cfg, environ=None):
 
 
 def main(argv):
-    from MaxOffload.config import ConfigError, load
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
 
-    try:
-        cfg = load(argv)
-        lines = exports(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
+    from MaxOffload.config import load
+
+    argv, _, _ = cli.parse(argv, __doc__, keys=())
+    lines = exports(load(argv))
     for name, value in lines:
         print(f"export {name}={shlex.quote(value)}")
     return 0

@@ -24,11 +24,11 @@ def _lines_up_to(path, step):
 class MetricsLogger:
     """Every step to metrics.jsonl (one JSON object per line) and TensorBoard; a console line every N."""
 
-    def __init__(self, output_dir, total_steps, log_every, stream=sys.stdout, enabled=True, resume_from=0):
+    def __init__(self, output_dir, total_steps, log_every, stream=None, enabled=True, resume_from=0):
         """enabled=False (processes other than 0 of a multi-process job): writes nothing.
         resume_from=N: keep the lines of steps <= N from an earlier run (later ones are redone)."""
         self.total_steps, self.log_every, self.enabled = total_steps, log_every, enabled
-        self.stream = stream if enabled else open(os.devnull, "w")
+        self.stream = (stream or sys.stdout) if enabled else open(os.devnull, "w")
         path = os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull
         kept = _lines_up_to(path, resume_from) if resume_from and enabled else []
         self.jsonl = open(path, "w", buffering=1)  # line-buffered: a killed run keeps its lines

@@ -17,7 +17,8 @@ from MaxOffload import hardware
 from MaxOffload.config.loader import ConfigError, describe
 from MaxOffload.train.flops import train_flops_per_step
 from MaxOffload.train.checkpoint import Checkpointer, load_params
-from MaxOffload.train.errors import NonFiniteError
+from MaxOffload.errors import NonFiniteError
+from MaxOffload.offload import xla_bugs
 from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed
 from MaxOffload.reports import write_json
@@ -69,6 +70,11 @@ def verify_parity(cfg):
                           "not training. Try another XLA version or policy, and report it.")
 
 
+def platform_of(setup):
+    """'gpu', 'cpu', ...: the platform the run's devices belong to."""
+    return setup.mesh.devices.flat[0].platform
+
+
 class Preempted(Exception):
     """SIGTERM/SIGUSR1: the state was saved; exit with PREEMPTED so the launcher requeues."""
 
@@ -89,7 +95,10 @@ def run(cfg, devices=None):
             write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         _say(f"dry run: nothing allocated or run; wrote {os.path.join(cfg.run.output_dir, 'summary.json')}")
         return 0
-    if cfg.offload.verify_parity:
+    miscompile = xla_bugs.affects(cfg, platform_of(setup))
+    if miscompile:
+        _say(f"{miscompile}: turning the parity gate (offload.verify_parity) on")
+    if cfg.offload.verify_parity or miscompile:
         verify_parity(cfg)
     try:
         return Training(cfg, setup, summary, process_index, process_count).run()

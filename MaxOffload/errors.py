@@ -1,0 +1,36 @@
+"""The errors a run or a tool stops on, and the exit status each one means.
+
+A leaf module: it imports nothing from the package and no JAX, so every layer (config, mesh, checkpoint,
+data, planner, the command-line tools) can raise these without import cycles.
+
+  exit 2  the input is wrong (ConfigError and its kinds): one line naming the problem and the fix;
+          nothing was changed.
+  exit 1  the run stopped on what it found (ParityError, NonFiniteError).
+"""
+
+
+class ConfigError(Exception):
+    """Bad input — a key, file, option or environment setting: one line naming it and the fix (exit 2)."""
+
+
+class PlanError(ConfigError):
+    """remat.policy=auto found no plan within the budget; the message says what the least-HBM plan needs."""
+
+
+class ParityError(Exception):
+    """The configured remat/offload policy changes the loss or gradients beyond tolerance (exit 1)."""
+
+
+class NonFiniteError(Exception):
+    """Training stopped on a non-finite loss or gradient (train.on_nonfinite=stop; exit 1)."""
+
+
+EXIT_CODES = ((ConfigError, 2), (ParityError, 1), (NonFiniteError, 1))
+
+
+def exit_code(error):
+    """The exit status for `error`, or None when it is not one of ours (a bug: let its traceback show)."""
+    for kind, code in EXIT_CODES:
+        if isinstance(error, kind):
+            return code
+    return None
