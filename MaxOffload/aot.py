@@ -96,7 +96,7 @@ def _gib(n):
 
 def format_report(r):
     verdict = "FITS" if r["hbm_fits"] else "DOES NOT FIT"
-    lines = [f"{r['params_total'] / 1e9:,.3g}B parameters on {r['devices']} x {r['accelerator']} "
+    lines = [f"{r['params_total'] / 1e9:,.4g}B parameters on {r['devices']} x {r['accelerator']} "
              f"(topology {r['topology']}, mesh {r['mesh']}); compiled in {r['compile_time_s']:.1f} s",
              f"HBM per device: arguments {_gib(r['argument_bytes_per_device'])} (params + optimizer state "
              f"{_gib(r['state_bytes_per_device'] - r['host_state_bytes_per_device'])} on the device) + temporaries "

@@ -36,11 +36,16 @@ def _say(text):
         print(text, flush=True)
 
 
-def _human(n, unit=""):
-    for suffix in ("", "K", "M", "G", "T", "P"):
-        if abs(n) < 1000 or suffix == "P":
-            return f"{n:.3g}{suffix}{unit}" if suffix else f"{n:.0f}{unit}"
+def _human(n, unit="", suffixes=("", "K", "M", "G", "T", "P"), digits=3):
+    for suffix in suffixes:
+        if abs(n) < 1000 or suffix == suffixes[-1]:
+            return f"{n:.{digits}g}{suffix}{unit}" if suffix else f"{n:.0f}{unit}"
         n /= 1000
+
+
+def _count(n):
+    """405.9B, 3.213M: a parameter count the way model cards write it."""
+    return _human(n, suffixes=("", "K", "M", "B", "T"), digits=4)
 
 
 def peak_flops_per_device(cfg):
@@ -113,7 +118,7 @@ def describe_setup(cfg, setup):
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
                "devices": len(devices), "device_kind": devices[0].device_kind, "global_batch": global_batch,
                "model_flops_per_step": train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)}
-    _say(f"model {cfg.model.family}: {_human(summary['params_total'])} parameters; params + optimizer state "
+    _say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters; params + optimizer state "
          f"{_human(summary['state_bytes_per_device'], 'B')} per device "
          f"({_human(summary['state_host_bytes_per_device'], 'B')} of it in pinned host memory) on "
          f"{len(devices)} x {devices[0].device_kind} (mesh {mesh_describe(setup.mesh)}); "
