@@ -50,15 +50,15 @@ def _main(argv):
     devices = None
     if cfg.run.dry_run and cfg.remat.policy == "auto":
         # a dry run proves the launch: plan for the aot target, confirmed by its deviceless compile
-        from MaxOffload import aot
+        from MaxOffload import deviceless
 
-        missing = aot.plugin_missing()
+        missing = deviceless.plugin_missing()
         if missing:
             raise ConfigError(f"remat.policy=auto with run.dry_run=true plans for aot.target: {missing}")
         print(f"remat.policy=auto: planning for aot.target={cfg.aot.target} aot.topology={cfg.aot.topology} "
               "(dry run: the launch's GPUs, compiled deviceless)", flush=True)
         cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)
-        devices = aot.compile_only_devices(cfg.aot.target, cfg.aot.topology)
+        devices = deviceless.compile_only_devices(cfg.aot.target, cfg.aot.topology)
     else:
         cfg = resolve(cfg)  # remat.policy=auto -> explicit settings (planned once per config, cached)
     from MaxOffload.train.trainer import run

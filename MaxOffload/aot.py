@@ -18,42 +18,13 @@ import os
 import sys
 import time
 
-HOST_USABLE = 0.9  # share of the host RAM per GPU that pinned buffers may take (the OS and the job need the rest)
-
-
-def plugin_missing():
-    """One line saying what to install, or None when the JAX CUDA plugin is present."""
-    import importlib.util
-
-    import jaxlib
-
-    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
-        try:
-            if importlib.util.find_spec(name):
-                return None
-        except ModuleNotFoundError:  # no jax_plugins package at all
-            pass
-    v = jaxlib.__version__
-    return (f"the deviceless GPU compile needs the JAX CUDA plugin matching jaxlib {v}: "
-            f"pip install 'jax-cuda13-plugin=={v}' 'jax-cuda13-pjrt=={v}' (or pip install -e '.[aot]')")
-
-
-def compile_only_devices(target, topology):
-    from jax.experimental import topologies
-
-    from MaxOffload import hardware
-
-    description = topologies.get_topology_desc(platform="cuda", topology_name=f"{target}:{topology}",
-                                               target_config=hardware.xla_target_config(
-                                                   hardware.ACCELERATORS[target]),
-                                               topology=topology)
-    return description.devices
+from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing  # noqa: F401  (re-exported)
 
 
 def build_report(cfg, target, topology):
     from MaxOffload import hardware
     from MaxOffload.offload import xla_bugs
-    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.offload.placement import activation_groups
     from MaxOffload.parallel.mesh import describe as mesh_describe
     from MaxOffload.train.step import HOST, TrainSetup
 
@@ -117,9 +88,6 @@ def format_report(r):
     return "\n".join(lines)
 
 
-TARGET_KEYS = ("--target", "--topology", "--output_dir")  # the cli options of the deviceless tools
-
-
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
     from MaxOffload.cli import run
@@ -130,7 +98,7 @@ def main(argv):
 def _main(argv):
     from MaxOffload import cli
 
-    argv, _, _ = cli.parse(argv, __doc__, keys=TARGET_KEYS)
+    argv, _, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS)
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed

@@ -14,6 +14,7 @@ import sys
 from MaxOffload.errors import ConfigError, exit_code
 
 KEY_OPTIONS = {"--target": "aot.target", "--topology": "aot.topology", "--output_dir": "run.output_dir"}
+TARGET_KEYS = ("--target", "--topology", "--output_dir")  # what the tools that compile for a GPU target take
 
 
 def parse(argv, doc, keys=("--output_dir",), options=None, flags=()):

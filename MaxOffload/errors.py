@@ -25,6 +25,14 @@ class NonFiniteError(Exception):
     """Training stopped on a non-finite loss or gradient (train.on_nonfinite=stop; exit 1)."""
 
 
+def suggest(word, choices):
+    """' (did you mean X?)' for the closest of `choices`, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 EXIT_CODES = ((ConfigError, 2), (ParityError, 1), (NonFiniteError, 1))
 
 

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 
-from MaxOffload.config.loader import ConfigError
+from MaxOffload.errors import ConfigError
 
 # feature -> spellings, newest first
 FEATURES = {

@@ -122,7 +122,7 @@ def _main(argv):
     from MaxOffload import cli
     from MaxOffload.config import ConfigError, load
 
-    argv, options, _ = cli.parse(argv, __doc__, keys=("--target", "--topology", "--output_dir"),
+    argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS,
                                  options={"--steps": "5", "--variants": ",".join(VARIANTS)})
     cfg = load(argv)
     output_dir, target = cfg.run.output_dir, cfg.aot.target

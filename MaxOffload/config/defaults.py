@@ -244,3 +244,20 @@ def docs(schema=None, prefix=""):
         else:
             rows.append((prefix + key, spec[0], spec[-1]))
     return rows
+
+
+# The schema's tree walks (used by the loader and the validator).
+def flat_keys(cfg, prefix=""):
+    keys = []
+    for key, value in cfg.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            keys += flat_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def get_path(cfg, key):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg

@@ -11,22 +11,8 @@ import re
 
 import ml_collections
 
-from MaxOffload.errors import ConfigError  # noqa: F401  (raised here; kept importable from the config package)
-
-
-def flat_keys(cfg, prefix=""):
-    keys = []
-    for key, value in cfg.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            keys += flat_keys(value, f"{prefix}{key}.")
-        else:
-            keys.append(prefix + key)
-    return keys
-
-
-def suggest(word, choices):
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+from MaxOffload.config.defaults import flat_keys, get_path  # noqa: F401  (the schema's tree walks)
+from MaxOffload.errors import ConfigError, suggest  # noqa: F401  (ConfigError stays importable from here)
 
 
 def load_file(spec):
@@ -213,9 +199,3 @@ def describe(cfg):
             items.append(f"{key}={','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
         lines.append(f"  {section}: " + " ".join(items))
     return "\n".join(lines)
-
-
-def get_path(cfg, key):
-    for part in key.split("."):
-        cfg = cfg[part]
-    return cfg

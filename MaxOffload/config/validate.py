@@ -4,7 +4,8 @@ import os
 import re
 
 from MaxOffload.config import defaults
-from MaxOffload.config.loader import ConfigError, flat_keys, get_path, suggest
+from MaxOffload.config.defaults import flat_keys, get_path
+from MaxOffload.errors import ConfigError, suggest
 from MaxOffload.offload import policy
 
 DTYPES = ("float32", "bfloat16")

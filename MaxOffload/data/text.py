@@ -7,7 +7,7 @@ With no files given, the corpus is the documentation that ships inside every Pyt
 installation (pydoc_data: ~0.5 MB of English prose about the language), so the
 quickstart trains on real text without a download.
 """
-from MaxOffload.config.loader import ConfigError
+from MaxOffload.errors import ConfigError
 from MaxOffload.data import tokenized, tokenizer
 
 

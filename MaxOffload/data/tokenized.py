@@ -24,16 +24,12 @@ import os
 
 import numpy as np
 
+from MaxOffload.errors import ConfigError
+
 EVAL_SPLIT_SEED = 1234  # fixed, so the held-out set does not change with run.seed
 PAD = 0  # eval padding (masked out); id 0 exists in every vocabulary
 META, TOKENS, DOCUMENTS = "meta.json", "tokens.bin", "documents.npy"
 FORMAT_VERSION = 1
-
-
-def _config_error(message):
-    from MaxOffload.config.loader import ConfigError  # imported late: `prepare` runs without JAX
-
-    return ConfigError(message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +113,7 @@ class TokenWindows:
                           (process_index + 1) * global_batch // process_count)
         self.num_windows = (len(train_tokens) - 1) // seq_len
         if self.num_windows < 1 or len(eval_tokens) < 2:
-            raise _config_error(f"{source}: {len(train_tokens) + len(eval_tokens)} tokens ({len(train_tokens)} for "
+            raise ConfigError(f"{source}: {len(train_tokens) + len(eval_tokens)} tokens ({len(train_tokens)} for "
                                 f"training, {len(eval_tokens)} held out) are too few for train.seq_len={seq_len} "
                                 "with a held-out split; add text or lower train.seq_len")
 
@@ -163,12 +159,12 @@ def read_meta(path, key="data.path"):
     """DIR/meta.json, checked against the files beside it; any problem is one ConfigError line."""
     fix = "run `python -m MaxOffload.data.prepare INPUTS... --out DIR` and give DIR"
     if not path:
-        raise _config_error(f"{key} is empty; {fix}")
+        raise ConfigError(f"{key} is empty; {fix}")
     if not os.path.isdir(path):
-        raise _config_error(f"{key}={path}: no such directory; {fix}")
+        raise ConfigError(f"{key}={path}: no such directory; {fix}")
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
-        raise _config_error(f"{key}={path} has no {META}, so it is not a prepared directory (or its preparation did "
+        raise ConfigError(f"{key}={path} has no {META}, so it is not a prepared directory (or its preparation did "
                             f"not finish); {fix}")
     try:
         with open(meta_path) as f:
@@ -176,19 +172,19 @@ def read_meta(path, key="data.path"):
         num_tokens, dtype, vocab = int(meta["num_tokens"]), np.dtype(meta["dtype"]), int(meta["vocab_size"])
         int(meta["train_tokens"]), int(meta["num_documents"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _config_error(f"{key}={path}: {META} is unreadable or incomplete ({type(e).__name__}: {e}); "
+        raise ConfigError(f"{key}={path}: {META} is unreadable or incomplete ({type(e).__name__}: {e}); "
                             "prepare the directory again") from None
     if meta.get("format_version") != FORMAT_VERSION:
-        raise _config_error(f"{key}={path}: {META} has format_version {meta.get('format_version')!r}, this version "
+        raise ConfigError(f"{key}={path}: {META} has format_version {meta.get('format_version')!r}, this version "
                             f"reads {FORMAT_VERSION}; prepare the directory again")
     tokens_path = os.path.join(path, TOKENS)
     want = num_tokens * dtype.itemsize
     have = os.path.getsize(tokens_path) if os.path.isfile(tokens_path) else None
     if have != want:
-        raise _config_error(f"{key}={path}: {TOKENS} is {'missing' if have is None else f'{have:,} bytes'}, "
+        raise ConfigError(f"{key}={path}: {TOKENS} is {'missing' if have is None else f'{have:,} bytes'}, "
                             f"{META} says {num_tokens:,} {dtype.name} tokens ({want:,} bytes); prepare it again")
     if vocab < 1:
-        raise _config_error(f"{key}={path}: {META} has vocab_size {vocab}; prepare it again")
+        raise ConfigError(f"{key}={path}: {META} has vocab_size {vocab}; prepare it again")
     return meta
 
 

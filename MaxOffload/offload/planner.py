@@ -6,7 +6,7 @@
 --target/--topology are aot.target/aot.topology (MaxOffload/cli.py): the last one given wins.
 
 1. Cost model (explicit and small, see `Candidate` and `GroupCost`). The step is traced once under full
-   remat (MaxOffload.offload.inspect.activation_groups): per model group (llama: decoder; deepseek: dense,
+   remat (MaxOffload.offload.placement.activation_groups): per model group (llama: decoder; deepseek: dense,
    moe) every tagged tensor's bytes per device (shape x the sharding rules) and whether the backward pass
    needs it at all. Per tensor and layer:
      - recompute FLOPs = 2 x elements per device x K, K = the contraction length of the matmul that
@@ -27,7 +27,7 @@
    FLOPs. With --no_confirm / no GPU target: an analytic base (`analytic_base`) and no working set. A
    recomputed tensor costs its working-set share, a kept one its bytes x layers, an offloaded one host bytes
    x layers plus OFFLOAD_STAGING_LAYERS layers of HBM staging. Host budget = host RAM per GPU x
-   aot.HOST_USABLE - host-resident state.
+   deviceless.HOST_USABLE - host-resident state.
 2. Search (`search`): if recomputing everything does not fit, offload what frees the most HBM first
    (`_fit_first`); if even the least-HBM plan does not fit, PlanError says what it would need. Then greedy
    by net seconds saved per byte: keep in HBM while it fits; otherwise offload while the host budget holds
@@ -119,7 +119,7 @@ class Machine:
 
 
 def machine(accelerator, mem_fraction, host_state_bytes=0):
-    from MaxOffload.aot import HOST_USABLE
+    from MaxOffload.deviceless import HOST_USABLE
 
     link_efficiency, overlap = LINK_CALIBRATION[accelerator.host_link.split()[0]]
     return Machine(accelerator.name, accelerator.hbm_bytes * mem_fraction,
@@ -162,7 +162,7 @@ def _score_ratio(model_config):
 
 
 def cost_model(cfg, groups, m, seq_len=None):
-    """(candidates, {group: GroupCost}) from inspect.activation_groups' entries (traced under full remat)."""
+    """(candidates, {group: GroupCost}) from placement.activation_groups' entries (traced under full remat)."""
     from MaxOffload import models
 
     mc = models.model_config(cfg)
@@ -394,9 +394,9 @@ def search(candidates, costs, m, base_hbm, penalty=0.0):
 
 def _target_devices(target, topology):
     if target:
-        from MaxOffload import aot
+        from MaxOffload import deviceless
 
-        return aot.compile_only_devices(target, topology)
+        return deviceless.compile_only_devices(target, topology)
     return None
 
 
@@ -462,7 +462,7 @@ def compiled_memory(cfg, devices):
 def plan(cfg, target=None, topology=None, confirm=True, log=print):
     """The Plan for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
     from MaxOffload import models
-    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.offload.placement import activation_groups
     from MaxOffload.offload.segments import with_policy
     from MaxOffload.train import flops
     from MaxOffload.train.step import HOST, TrainSetup
@@ -528,7 +528,7 @@ def check_prediction(cfg, target, topology):
     """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
     (base and recompute working set from the full-remat and keep-everything compiles, + kept tensors)
     against XLA's figure for the same config. Decisions are read from cfg's traced step, per segment."""
-    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.offload.placement import activation_groups
     from MaxOffload.offload.segments import with_policy
     from MaxOffload.train.step import HOST, TrainSetup
 
@@ -707,7 +707,8 @@ def main(argv):
 
 def _main(argv):
     from MaxOffload import cli
-    from MaxOffload.aot import TARGET_KEYS, plugin_missing
+    from MaxOffload.cli import TARGET_KEYS
+    from MaxOffload.deviceless import plugin_missing
 
     argv, _, flags = cli.parse(argv, __doc__, keys=TARGET_KEYS, flags=("--no_confirm",))
     confirm = not flags["--no_confirm"]  # the CLI always plans afresh; resolve() caches for train.py/aot

@@ -11,7 +11,7 @@ import dataclasses
 import re
 
 from MaxOffload.config.defaults import reset_remat
-from MaxOffload.config.loader import ConfigError, suggest
+from MaxOffload.errors import ConfigError, suggest
 from MaxOffload.offload import policy as policy_lib
 
 

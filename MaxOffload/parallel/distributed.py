@@ -6,7 +6,7 @@ GPU it sees (JAX's own Slurm detection would use GPU 0 only).
 """
 import os
 
-from MaxOffload.config.loader import ConfigError
+from MaxOffload.errors import ConfigError
 
 
 def _slurm():

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from MaxOffload.config.loader import ConfigError
+from MaxOffload.errors import ConfigError
 from MaxOffload.parallel.logical import MESH_AXES
 
 

@@ -12,7 +12,7 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 
-from MaxOffload.config.loader import ConfigError
+from MaxOffload.errors import ConfigError
 
 
 def _warn(text):

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models
 from MaxOffload.models.llama import to_device
-from MaxOffload.config.loader import ConfigError
+from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.train import optimizer

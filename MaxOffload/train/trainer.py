@@ -14,7 +14,8 @@ import jax
 
 from MaxOffload import data as data_lib
 from MaxOffload import hardware
-from MaxOffload.config.loader import ConfigError, describe
+from MaxOffload.config.loader import describe
+from MaxOffload.errors import ConfigError
 from MaxOffload.train.flops import train_flops_per_step
 from MaxOffload.train.checkpoint import Checkpointer, load_params
 from MaxOffload.errors import NonFiniteError

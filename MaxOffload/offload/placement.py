@@ -1,0 +1,218 @@
+"""Proof of placement, the library: what the real training step does with every named activation.
+
+Per scan segment (layer group), the backward pass's residual for each tagged name, read off the traced step's
+jaxpr: moved to pinned host ("offload"), kept in device memory ("device") or recomputed ("remat")
+(`classify_residuals`, `activation_groups`); the CUDA lowering's pinned_host placements, one per offloaded
+tensor (`cuda_host_placements`); bytes per device from the sharding rules; the report (`build_report`).
+The command line over it is MaxOffload/offload/inspect.py; the planner and the aot tool use it too.
+"""
+import collections
+import math
+import re
+
+from MaxOffload.offload import names
+
+_SEGMENT = re.compile(r"layers_(\d+)_(\d+)")
+_PLACEMENT = re.compile(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_placement = \"pinned_host\".*?:\s*"
+                        r"\(tensor<([^>]*)>\)")
+_HLO_DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16", "f64": "float64", "i32": "int32"}
+
+
+def _sub_jaxprs(eqn):
+    for param in eqn.params.values():
+        for item in param if isinstance(param, (list, tuple)) else (param,):
+            if hasattr(item, "jaxpr") and hasattr(item, "consts"):
+                yield item.jaxpr
+            elif hasattr(item, "eqns"):
+                yield item
+
+
+def _is_host_put(eqn):
+    return eqn.primitive.name == "device_put" and any("Host" in str(d) for d in eqn.params.get("devices", ()))
+
+
+_IDENTITIES = ("reduce_precision", "copy", "copy_p", "optimization_barrier")
+
+
+def _aliases(body, name_eqn):
+    """ids of the vars holding the tagged value: the `name` input and output, and what identity ops
+    (remat inserts reduce_precision before saving) make of them."""
+    same = {id(name_eqn.invars[0]), id(name_eqn.outvars[0])}
+    for eqn in body.eqns:  # eqns are in topological order
+        if eqn.primitive.name in _IDENTITIES and len(eqn.invars) == 1 and id(eqn.invars[0]) in same:
+            same.add(id(eqn.outvars[0]))
+    return same
+
+
+def classify_residuals(closed_jaxpr):
+    """{segment label: {name: (kind, aval)}} read off a training step's jaxpr.
+
+    kind, for the forward scan of each segment: "offload" (the tagged value is moved to host and
+    handed to the backward pass), "device" (handed over as it is), "offload+device" (both: the
+    host copy saves no HBM), "remat" (recomputed in the backward scan), "unused" (tagged, but
+    the backward pass never needs it).
+    """
+    found = collections.defaultdict(dict)
+
+    def forward_body(body, label):
+        outputs = {id(v) for v in body.outvars}
+        for eqn in body.eqns:
+            if eqn.primitive.name != "name":
+                continue
+            same = _aliases(body, eqn)
+            on_host = any(_is_host_put(c) and id(c.invars[0]) in same and id(c.outvars[0]) in outputs
+                          for c in body.eqns)
+            on_device = bool(same & outputs)
+            kind = {(True, True): "offload+device", (True, False): "offload", (False, True): "device"}.get(
+                (on_host, on_device), "unused")
+            found[label].setdefault(eqn.params["name"], (kind, eqn.outvars[0].aval))
+
+    def recomputed(jaxpr, label):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                name = eqn.params["name"]
+                kind, aval = found[label].get(name, ("unused", eqn.outvars[0].aval))
+                if kind == "unused":
+                    found[label][name] = ("remat", aval)
+            for sub in _sub_jaxprs(eqn):
+                recomputed(sub, label)
+
+    scans = []
+
+    def walk(jaxpr, stack):
+        for eqn in jaxpr.eqns:
+            here = f"{stack}/{eqn.source_info.name_stack}"
+            if eqn.primitive.name == "scan" and _SEGMENT.search(here):
+                scans.append((eqn, here))
+            else:
+                for sub in _sub_jaxprs(eqn):
+                    walk(sub, here)
+
+    walk(closed_jaxpr.jaxpr, "")
+    for eqn, stack in scans:  # forward scans first: they decide what is handed over
+        if "transpose(" not in stack:
+            forward_body(eqn.params["jaxpr"].jaxpr, _SEGMENT.search(stack).group(0))
+    for eqn, stack in scans:
+        if "transpose(" in stack:
+            recomputed(eqn.params["jaxpr"].jaxpr, _SEGMENT.search(stack).group(0))
+    return found
+
+
+def _as_requested(name, want, got):
+    """Whether the step did what was asked. Not needing a tensor at all always satisfies the request."""
+    if got == "unused" or want == got:
+        return True
+    return want == "remat" and got == "device" and name in names.ALWAYS_KEPT
+
+
+def cuda_host_placements(module_text):
+    """[(shape tuple, dtype name)] of every pinned_host placement in a lowered StableHLO module."""
+    placements = []
+    for match in _PLACEMENT.finditer(module_text):
+        *dims, dtype = match.group(1).split("x")
+        placements.append((tuple(int(d) for d in dims), _HLO_DTYPES.get(dtype, dtype)))
+    return placements
+
+
+def bytes_per_device(aval, name, setup):
+    """Bytes of one tagged activation on one device, split as the sharding rules split its logical
+    axes (dimensions an axis cannot divide evenly are counted whole)."""
+    from MaxOffload.parallel.logical import partition_spec
+
+    axes = names.ACTIVATION_AXES.get(name)
+    if axes is None or len(axes) != len(aval.shape):
+        axes = ("activation_batch",) + (None,) * (len(aval.shape) - 1)
+    spec = partition_spec(axes, setup.rules, setup.mesh.axis_names)
+    count = 1
+    for dim, entry in zip(aval.shape, spec):
+        ways = math.prod(setup.mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+        count *= dim // ways if dim % ways == 0 else dim
+    return count * aval.dtype.itemsize
+
+
+def activation_groups(cfg, setup):
+    """({segment label: entry}, problems, expected pinned_host placements) read off the step's jaxpr:
+    per layer segment, what became of every tagged activation against what was requested."""
+    import jax
+
+    from MaxOffload import models
+    from MaxOffload.parallel import logical
+
+    with logical.activate(setup.mesh, setup.rules):
+        jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
+    found = classify_residuals(jaxpr)
+    groups, problems, expected_placements = {}, [], []
+    for segment in models.remat_segments(cfg):
+        requested = dict(segment.decisions)
+        seen = found.get(segment.label, {})
+        layers = segment.stop - segment.start
+        entry = {"model_group": segment.model_group, "remat_group": segment.group or None,
+                 "layers": [segment.start, segment.stop - 1], "offloaded": [], "saved": [], "remat": [],
+                 "unused": [], "tensors": {}, "offload_bytes_per_device": 0, "missing": []}
+        for name, (kind, aval) in seen.items():
+            per_device = bytes_per_device(aval, name, setup) * layers
+            entry["tensors"][name] = {"requested": requested[name], "result": kind, "shape": list(aval.shape),
+                                      "dtype": str(aval.dtype), "bytes_per_device_per_step": per_device}
+            if kind.startswith("offload"):
+                entry["offload_bytes_per_device"] += per_device
+                expected_placements.append((tuple(aval.shape), str(aval.dtype)))
+            entry["offloaded" if kind.startswith("offload") else "saved" if kind == "device" else kind].append(name)
+            if not _as_requested(name, requested[name], kind):
+                problems.append(f"{segment.label}: {name} requested {requested[name]}, got {kind}"
+                                + (" (the layer input is the scan carry; a host copy that is also kept in HBM "
+                                   "saves nothing, cf. jax#23869)" if name in names.ALWAYS_KEPT else ""))
+        for name, want in requested.items():
+            if want != "remat" and name not in seen and name in models.FAMILIES[cfg.model.family].TAGGED_NAMES:
+                entry["missing"].append(name)  # e.g. moe_* in DeepSeek's dense layers: fine if tagged elsewhere
+                if not any(name in other for other in found.values()):
+                    problems.append(f"{segment.label}: {name} requested {want} but the step never tags it")
+        groups[segment.label] = entry
+    return groups, problems, expected_placements
+
+
+def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
+    """The offload report (a dict) for a config; see the module docstring."""
+    import jax
+
+    from MaxOffload.parallel.mesh import describe as mesh_describe
+    from MaxOffload.train.step import DEVICE, HOST
+
+    groups, problems, expected_placements = activation_groups(cfg, setup)
+    if lowered_text is None:
+        exported = setup.lower_train_step(lambda jitted, *args: jax.export.export(jitted, platforms=["cuda"])(*args))
+        lowered_text = exported.mlir_module()
+    placements = cuda_host_placements(lowered_text)
+    found_placements, wanted = collections.Counter(placements), collections.Counter(expected_placements)
+    state_on_host = cfg.offload.params or cfg.offload.optimizer_state
+    # host-resident state adds placements of its own (the updated state goes back to the host)
+    if found_placements != wanted and not (state_on_host and not wanted - found_placements):
+        problems.append(f"CUDA lowering has {len(placements)} pinned_host placements {sorted(placements)}, "
+                        f"expected {len(expected_placements)} {sorted(expected_placements)}")
+    host_args = len(re.findall(r'%arg\d+: tensor<[^>]*> \{mhlo\.memory_kind = "pinned_host"', lowered_text))
+    report = {"config": cfg.run.output_dir, "devices": setup.mesh.size, "mesh": mesh_describe(setup.mesh),
+              "groups": groups, "cuda_pinned_host_placements": len(placements),
+              "state_host_arrays": host_args, "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
+              "state_device_bytes_per_device": setup.state_bytes_per_device(DEVICE),
+              "offload_bytes_per_device": sum(g["offload_bytes_per_device"] for g in groups.values()),
+              "problems": problems}
+    if cpu_memory:
+        report["cpu_temp_bytes"] = cpu_temp_bytes(cfg)
+    return report
+
+
+def cpu_temp_bytes(cfg):
+    """Compiled (XLA:CPU) temporary bytes of the step for this config's policy, full remat and save_all.
+
+    On CPU an offloaded tensor is simply saved, so these show what saving costs in device
+    memory — the HBM that offloading gives back — not the host side.
+    """
+    from MaxOffload.train.step import TrainSetup
+
+    from MaxOffload.offload.segments import with_policy
+
+    out = {}
+    for label, variant in (("this config", cfg), ("full", with_policy(cfg, "full")),
+                           ("save_all", with_policy(cfg, "save_all"))):
+        compiled = TrainSetup(variant).compile_train_step()
+        out[label] = int(compiled.memory_analysis().temp_size_in_bytes)
+    return out

@@ -1,0 +1,98 @@
+"""Imports point one way: no cycle among MaxOffload's modules, counting imports inside functions too.
+
+`from A import B` depends on the module A.B when B is a module, else on A; a package's __init__ depending on
+its own submodules is the package's surface, not a cycle (a submodule does not import its package's
+__init__ names here)."""
+import ast
+import os
+
+from conftest import ROOT
+
+PACKAGE = "MaxOffload"
+
+
+def modules():
+    found = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[module[:-len(".__init__")] if module.endswith(".__init__") else module] = path
+    return found
+
+
+def import_graph(found):
+    def target(name):
+        while name not in found and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in found else None
+
+    graph = {}
+    for module, path in found.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in found else node.module
+                         for a in node.names]
+            else:
+                continue
+            deps.update(t for t in map(target, names) if t and t != module and t.startswith(PACKAGE))
+        graph[module] = deps
+    return graph
+
+
+def cycles(graph):
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    graph = import_graph(modules())
+    found = cycles(graph)
+    detail = ["; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c) for c in found]
+    assert not found, "import cycles: " + " | ".join(detail)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_errors_is_a_leaf():
+    """Every layer raises MaxOffload.errors' kinds: it imports nothing from the package and no JAX."""
+    with open(os.path.join(ROOT, PACKAGE, "errors.py")) as f:
+        tree = ast.parse(f.read())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+               [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if m and (m.startswith(PACKAGE) or m.split(".")[0] in ("jax", "jaxlib"))]
