@@ -544,3 +544,25 @@ def test_tiny_training_loss_falls_and_logs_expert_load(background):
     tensorboard = os.path.join(background.tmp, "train", "tensorboard")
     events = b"".join(open(os.path.join(root, f), "rb").read() for root, _, files in os.walk(tensorboard) for f in files)
     assert b"train/moe/max_load_layer1" in events and b"train/moe/mean_bias_range" in events
+
+
+def test_mla_goes_through_the_shared_chunked_attention():
+    """At 2,048 tokens (two query blocks of 1,024) no intermediate of the forward pass holds the whole
+    [length x length] score matrix: DeepSeek's MLA uses the shared causal attention (models/layers.py)."""
+    from test_model import _sub_jaxprs
+
+    length = 2048
+    cfg = load(["configs/deepseek_v3.py:tiny", f"train.seq_len={length}", "model.compute_dtype=float32"])
+    model = models.build(cfg)
+    jaxpr = jax.make_jaxpr(lambda t: model(t)[0])(jnp.zeros((1, length), jnp.int32)).jaxpr
+
+    def shapes(jp):
+        for eqn in jp.eqns:
+            for var in eqn.outvars:
+                yield tuple(getattr(var.aval, "shape", ()))
+            for sub in _sub_jaxprs(list(eqn.params.values())):
+                yield from shapes(sub)
+
+    seen = list(shapes(jaxpr))
+    assert any(s[-2:] == (1024, length) for s in seen if len(s) >= 2)  # the query blocks' scores
+    assert not [s for s in seen if len(s) >= 2 and s[-2:] == (length, length)]

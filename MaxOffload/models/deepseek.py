@@ -13,8 +13,9 @@ import numpy as np
 from flax import nnx
 
 from MaxOffload.models.base import FromConfig
-from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, apply_rope, param
-from MaxOffload.models.llama import on_device, run_layers, stacked_layers, to_device
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, causal_attention, param
+from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
+from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE, RouterBias, updated_bias
 from MaxOffload.offload import names
 from MaxOffload.parallel.logical import constrain
@@ -122,33 +123,14 @@ def layer_groups(c):
 
 
 # --------------------------------------------------------------------------------------------
-# YaRN RoPE
-
-
-def yarn_inv_freq(dim, theta, factor, original_max_len, beta_fast, beta_slow):
-    """YaRN inverse frequencies: frequencies that turn more than beta_fast times within the original
-    context are kept, those turning fewer than beta_slow times are divided by `factor`, with a linear
-    ramp over the dimensions in between."""
-    def dim_of(rotations):  # the (fractional) dimension index that turns `rotations` times
-        return dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), dim - 1)
-    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    ramp = np.clip((np.arange(dim // 2) - low) / max(high - low, 1e-3), 0, 1)  # 0 keep .. 1 interpolate
-    return (inv_freq * (1 - ramp) + inv_freq / factor * ramp).astype(np.float32)
-
-
-def yarn_mscale(factor, mscale):
-    """YaRN's attention temperature correction 0.1 * mscale * ln(factor) + 1 (1 without scaling)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+# RoPE (MaxOffload/models/rope.py): frequencies, YaRN amplitude and softmax scale
 
 
 def rope_setup(c):
     """(inverse frequencies, amplitude of the rotated parts, softmax scale) for the config's RoPE."""
     scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
     if c.rope_scaling == "none":
-        inv_freq = 1.0 / c.rope_theta ** (np.arange(0, c.qk_rope_head_dim, 2) / c.qk_rope_head_dim)
-        return inv_freq.astype(np.float32), 1.0, scale
+        return base_inv_freq(c.qk_rope_head_dim, c.rope_theta).astype(np.float32), 1.0, scale
     if c.rope_scaling != "yarn":
         raise ValueError(f"unknown rope scaling {c.rope_scaling!r} for deepseek")
     inv_freq = yarn_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_factor, c.rope_original_max_len,
@@ -159,14 +141,6 @@ def rope_setup(c):
 
 # --------------------------------------------------------------------------------------------
 # Multi-head latent attention
-
-
-def causal_attention(q, k, v, scale):
-    """Causal multi-head attention; q, k: [b, l, heads, qk_dim], v: [b, l, heads, v_dim]; softmax in f32."""
-    length = q.shape[1]
-    scores = jnp.einsum("blhd,bshd->bhls", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(jnp.tril(jnp.ones((length, length), bool)), scores, jnp.finfo(jnp.float32).min)
-    return jnp.einsum("bhls,bshd->blhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
 
 
 class MLA(nnx.Module):
@@ -248,32 +222,23 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DeepSeek(nnx.Module):
+class DeepSeek(DecoderModel):
     def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs):
-        pdt = jnp.dtype(c.param_dtype)
-        self.config = c
-        self.params_on_host = params_on_host
         self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())
-        self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), pdt, c.init_std)
+        self.init_embeddings(c, params_on_host, rngs)
         if c.first_k_dense:
             self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r), c.first_k_dense, rngs)
         if c.num_moe_layers:
             self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r), c.num_moe_layers, rngs)
-        self.final_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
-        if not c.tie_embeddings:
-            self.unembed = param(rngs, (c.emb_dim, c.vocab_size), ("embed", "vocab"), pdt, c.init_std)
+        self.init_head(c, rngs)
 
     def __call__(self, tokens):
         """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux).
 
         aux: "aux_loss" (weighted sequence-wise balance loss), "metrics" (expert-load statistics) and
         "model_state" (the router biases after this step's auxiliary-loss-free update)."""
-        c = self.config
-        cdt = jnp.dtype(c.compute_dtype)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        host = self.params_on_host
-        embed = to_device(self.embed[...], host)
-        x = constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED)
+        c, host = self.config, self.params_on_host
+        x, positions, embed = self.embed_tokens(tokens)
         if c.first_k_dense:
             x = run_layers(self.dense_layers, x, positions, self.dense_segments, c.scan_layers, host)
         aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
@@ -281,10 +246,7 @@ class DeepSeek(nnx.Module):
             x, stats = run_layers(self.moe_layers, x, positions, self.moe_segments, c.scan_layers, host,
                                   with_outputs=True)
             aux = self._moe_aux(stats)
-        x = on_device(self.final_norm, host)(x)
-        unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        logits = jnp.einsum("ble,ev->blv", x, unembed.astype(cdt), preferred_element_type=jnp.float32)
-        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab")), aux
+        return self.logits(x, embed), aux
 
     def _moe_aux(self, stats):
         """Balance loss, the biases' update and expert-load metrics from the MoE layers' statistics

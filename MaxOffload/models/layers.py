@@ -7,9 +7,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from MaxOffload.models.rope import apply_rope, rope_inv_freq  # noqa: F401  (re-exported)
 from MaxOffload.offload import names
 from MaxOffload.parallel.logical import constrain
 
@@ -31,36 +31,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(head_dim, theta, scaling="none", factor=8.0, low_freq_factor=1.0,
-                  high_freq_factor=4.0, original_max_len=8192):
-    """Inverse RoPE frequencies, with Llama 3.1's frequency scaling when scaling='llama3'.
-
-    Llama 3.1 leaves high frequencies (short wavelengths) alone, divides low ones by
-    `factor`, and interpolates smoothly in between.
-    """
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling == "none":
-        return inv_freq.astype(np.float32)
-    if scaling != "llama3":
-        raise ValueError(f"unknown rope scaling {scaling!r}")
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = original_max_len / low_freq_factor
-    high_freq_wavelen = original_max_len / high_freq_factor
-    smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, interpolated)
-    scaled = np.where(wavelen < high_freq_wavelen, inv_freq, scaled)
-    return scaled.astype(np.float32)
-
-
-def apply_rope(x, positions, inv_freq):
-    """Rotary embedding ("rotate half" layout). x: [batch, length, heads, head_dim]."""
-    angles = positions[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]  # [b, l, d/2]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def causal_attention(q, k, v, scale=None, chunk=1024):

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models
-from MaxOffload.models.llama import to_device
+from MaxOffload.models.stack import to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib

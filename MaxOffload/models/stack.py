@@ -1,0 +1,110 @@
+"""What every decoder family shares: layers stacked for a scan and run segment by segment under their
+remat/offload policies, the per-layer host-to-device copy of host-resident weights, and the body around the
+layers (token embedding in, final norm and unembedding out)."""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
+from MaxOffload.parallel.logical import constrain
+
+
+def stacked_layers(make_layer, num_layers, rngs):
+    """`num_layers` layers with their parameters stacked on a leading `layers` axis (for scan)."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs):
+        return make_layer(rngs)
+
+    return create(rngs)
+
+
+def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_outputs=False):
+    """Applies stacked `layers` to x, segment by segment.
+
+    segments: ((start, stop, policy, label), ...) covering the layers in order; each segment
+    is one `jax.checkpoint` with its own remat/offload policy, traced under the name scope
+    `label` (offload/inspect.py reads it back). scan=False runs a Python loop over the same
+    stacked parameters (for tests and debugging). params_on_host: the stacked parameters live
+    in pinned host memory and each layer's slice is copied to the device inside the scan, so
+    only the current layer's weights need HBM.
+
+    A layer returns h, or (h, outputs) with per-layer outputs (e.g. MoE expert loads);
+    with_outputs=True returns (x, outputs stacked over all layers on a leading axis).
+    """
+    graphdef, stacked = nnx.split(layers)
+
+    def body(h, layer_state):
+        out = nnx.merge(graphdef, to_device(layer_state, params_on_host))(h, positions)
+        return out if isinstance(out, tuple) else (out, None)
+
+    outputs = []
+    for start, stop, policy, label in segments:
+        segment_state = stacked if (start, stop) == (0, _depth(stacked)) else \
+            jax.tree.map(lambda p: p[start:stop], stacked)
+        step = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
+        with jax.named_scope(label):
+            if scan:
+                x, ys = jax.lax.scan(step, x, segment_state)
+            else:
+                per_layer = []
+                for i in range(stop - start):
+                    x, y = step(x, jax.tree.map(lambda p: p[i], segment_state))
+                    per_layer.append(y)
+                ys = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        outputs.append(ys)
+    if not with_outputs:
+        return x
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *outputs)
+
+
+def to_device(tree, enabled=True):
+    """Copies host-resident values into device memory inside a jitted step (no-op when not enabled)."""
+    return jax.device_put(tree, jax.memory.Space.Device) if enabled else tree
+
+
+def on_device(module, enabled=True):
+    """The module with its parameters copied to device memory (itself when not enabled)."""
+    if not enabled:
+        return module
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, to_device(state))
+
+
+def _depth(stacked):
+    return jax.tree.leaves(stacked)[0].shape[0]
+
+
+class DecoderModel(nnx.Module):
+    """embed -> (the family's layers) -> final norm -> unembed. A family's __init__ calls init_embeddings
+    before building its layers and init_head after (parameter creation order fixes the random init), and its
+    __call__ runs its layers between embed_tokens and logits."""
+
+    def init_embeddings(self, c, params_on_host, rngs):
+        self.config = c
+        self.params_on_host = params_on_host
+        self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), jnp.dtype(c.param_dtype), c.init_std)
+
+    def init_head(self, c, rngs):
+        pdt = jnp.dtype(c.param_dtype)
+        self.final_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
+        if not c.tie_embeddings:
+            self.unembed = param(rngs, (c.emb_dim, c.vocab_size), ("embed", "vocab"), pdt, c.init_std)
+
+    def embed_tokens(self, tokens):
+        """tokens [batch, length] int32 -> (x [batch, length, emb] in the compute dtype, positions, the
+        embedding table on the device)."""
+        cdt = jnp.dtype(self.config.compute_dtype)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        embed = to_device(self.embed[...], self.params_on_host)
+        return constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
+
+    def logits(self, x, embed):
+        """The final norm and the unembedding: logits [batch, length, vocab] float32."""
+        c, host = self.config, self.params_on_host
+        x = on_device(self.final_norm, host)(x)
+        unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
+        logits = jnp.einsum("ble,ev->blv", x, unembed.astype(jnp.dtype(c.compute_dtype)),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
