@@ -257,3 +257,24 @@ def test_auto_plan_is_what_inspect_finds_in_the_step(tmp_path):
     assert {seen[key] for key in result.decisions} >= {"offload", "device"}
     for key, decision in result.decisions.items():
         assert seen[key] == expected[decision], (key, decision, seen[key])
+
+
+def test_every_tagged_name_has_a_recompute_cost_and_a_missing_one_is_an_error():
+    from MaxOffload import models as models_lib
+    from MaxOffload.config import load as load_cfg
+
+    for spec in ("configs/llama3_1.py:tiny", "configs/deepseek_v3.py:tiny"):
+        cfg = load_cfg([spec])
+        mc, family = models_lib.model_config(cfg), models_lib.FAMILIES[cfg.model.family]
+        for group in family.layer_groups(mc):
+            table = mc.contractions(group, cfg.train.seq_len)
+            assert set(family.TAGGED_NAMES) <= set(table), (spec, set(family.TAGGED_NAMES) - set(table))
+            assert planner.contraction(mc, group, "attention_out", 64) == 32
+
+    class Partial:
+        def contractions(self, model_group, seq_len):
+            return {"query_proj": 8}
+
+    assert planner.contraction(Partial(), "decoder", "query_proj", 64) == 8
+    with pytest.raises(planner.PlanError, match="tags 'mlpwo' but its recompute-cost table"):
+        planner.contraction(Partial(), "decoder", "mlpwo", 64)

@@ -111,6 +111,16 @@ class DeepSeekConfig(FromConfig):
         return (self.num_layers * mla + self.first_k_dense * 3 * d * self.mlp_dim + self.num_moe_layers * moe
                 + d * self.vocab_size)
 
+    def contractions(self, model_group, seq_len):
+        """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul,
+        e.g. the latents' norms mla_q / mla_kv, costed by the planner as memory traffic)."""
+        d = self.emb_dim
+        mlp_out = self.mlp_dim if model_group == "dense" else self.moe_mlp_dim * max(self.num_shared_experts, 1)
+        return {"decoder_layer_input": 0, "query_wa_proj": d, "kv_wa_proj": d, "mla_q": 0, "mla_kv": 0,
+                "query_proj": self.q_lora_rank, "key_proj": self.kv_lora_rank, "value_proj": self.kv_lora_rank,
+                "attention_out": seq_len / 2, "out_proj": self.num_heads * self.v_head_dim, "mlpwi_0": d,
+                "mlpwi_1": d, "mlpwo": mlp_out, "moe_mlpwi_0": d, "moe_mlpwi_1": d, "moe_mlpwo": self.moe_mlp_dim}
+
     def attention_dims(self):
         """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs; qk_dim = nope + rope."""
         return self.num_layers, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim

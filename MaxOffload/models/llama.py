@@ -64,6 +64,13 @@ class LlamaConfig(FromConfig):
         """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs."""
         return self.num_layers, self.num_heads, self.head_dim, self.head_dim
 
+    def contractions(self, model_group, seq_len):
+        """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul)."""
+        d = self.emb_dim
+        return {"decoder_layer_input": 0, "query_proj": d, "key_proj": d, "value_proj": d,
+                "attention_out": seq_len / 2, "out_proj": self.num_heads * self.head_dim, "mlpwi_0": d, "mlpwi_1": d,
+                "mlpwo": self.mlp_dim}
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, c: LlamaConfig, *, rngs):

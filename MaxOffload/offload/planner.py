@@ -140,19 +140,13 @@ def cpu_machine():
 
 
 def contraction(model_config, model_group, name, seq_len):
-    """K of the matmul that produces `name` (FLOPs = 2 x output elements x K); 0 for non-matmuls."""
-    c = model_config
-    d = c.emb_dim
-    if hasattr(c, "q_lora_rank"):  # deepseek
-        mlp_out = c.mlp_dim if model_group == "dense" else c.moe_mlp_dim * max(c.num_shared_experts, 1)
-        table = {"query_wa_proj": d, "kv_wa_proj": d, "query_proj": c.q_lora_rank, "key_proj": c.kv_lora_rank,
-                 "value_proj": c.kv_lora_rank, "attention_out": seq_len / 2, "out_proj": c.num_heads * c.v_head_dim,
-                 "mlpwi_0": d, "mlpwi_1": d, "mlpwo": mlp_out, "moe_mlpwi_0": d, "moe_mlpwi_1": d,
-                 "moe_mlpwo": c.moe_mlp_dim}
-    else:
-        table = {"query_proj": d, "key_proj": d, "value_proj": d, "attention_out": seq_len / 2,
-                 "out_proj": c.num_heads * c.head_dim, "mlpwi_0": d, "mlpwi_1": d, "mlpwo": c.mlp_dim}
-    return table.get(name, 0)
+    """K of the matmul that produces `name` (FLOPs = 2 x output elements x K; 0 for non-matmuls), from the
+    family's own table (its config's `contractions`). A tagged name the table lacks is an error, never 0 FLOPs."""
+    table = model_config.contractions(model_group, seq_len)
+    if name not in table:
+        raise PlanError(f"the {type(model_config).__name__} family tags {name!r} but its recompute-cost table "
+                        f"(contractions) has no entry for it; add one to its config class")
+    return table[name]
 
 
 def _score_ratio(model_config):
