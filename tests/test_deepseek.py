@@ -60,6 +60,14 @@ class Background:
         read = lambda ext: open(os.path.join(self.tmp, f"{name}.{ext}")).read()  # noqa: E731
         return proc.returncode, read("out"), read("err")
 
+    def stop(self):
+        """Ends the jobs no test waited for (a run of selected tests only), so none outlives the module."""
+        for proc, out, err in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close(), err.close()
+
 
 @pytest.fixture(scope="module")
 def background(tmp_path_factory):
@@ -85,6 +93,7 @@ def background(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="module")
 def _start_background(background):
     yield
+    background.stop()
 
 
 # --------------------------------------------------------------------------------------------
