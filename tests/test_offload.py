@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxOffload import models
 from MaxOffload.config import ConfigError, defaults, load
 from MaxOffload.offload import inspect as inspect_lib
-from MaxOffload.offload import names, parity, policy, segments
+from MaxOffload.offload import names, parity, placement, policy, segments
 from MaxOffload.train.step import TrainSetup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -383,7 +383,7 @@ def test_placement_cross_check(qkv_offloaded):
 
 def test_inspect_exits_1_on_a_problem(tmp_path, monkeypatch, capsys):
     """The CLI's exit status 1 path: the lowering shows no placement for the requested offload."""
-    monkeypatch.setattr(inspect_lib, "cuda_host_placements", lambda text: [])
+    monkeypatch.setattr(placement, "cuda_host_placements", lambda text: [])  # where build_report finds it
     status = inspect_lib.main(TINY + [f"run.output_dir={tmp_path}", "remat.tensors.mlpwi_1=offload",
                                       "--no_cpu_memory"])
     out = capsys.readouterr().out

@@ -20,6 +20,16 @@ def _warn(text):
         print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
+def _quiet_closed_loop(kind, value, tb, _default=sys.excepthook):
+    """sys.excepthook while restoring: when Orbax gives up on a damaged checkpoint, reads still in flight
+    complete on tensorstore's threads and call back into the asyncio loop Orbax has already closed; Python
+    prints that RuntimeError through sys.excepthook. It says nothing about the checkpoint (the restore's own
+    exception does, in one line), so it is dropped; everything else goes to the default hook."""
+    if kind is RuntimeError and str(value) == "Event loop is closed":
+        return
+    _default(kind, value, tb)
+
+
 def _restore_args(setup):
     """The state's shapes with the CURRENT shardings: Orbax reshards whatever mesh saved it."""
     target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
@@ -53,6 +63,7 @@ class Checkpointer:
             if "tmp" in name:
                 _warn(f"skipping incomplete checkpoint {os.path.join(self.directory, name)} (a save was interrupted)")
         steps = sorted(self.manager.all_steps(), reverse=True)
+        sys.excepthook = _quiet_closed_loop  # kept for the process: the stray callbacks can come at any time
         for i, step in enumerate(steps):
             try:
                 restored = self.manager.restore(step, args=_restore_args(self.setup))
