@@ -46,22 +46,27 @@ def causal_attention(q, k, v, scale=None, chunk=1024):
     b, length, heads, d = q.shape
     kv_heads, dv = k.shape[2], v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    q = q.reshape(b, length, kv_heads, heads // kv_heads, d)
+    group = heads // kv_heads
+    # Query heads sharing a kv head form a group axis. Multi-head attention (DeepSeek's MLA: group 1) goes
+    # without it: with a size-1 group axis XLA's GPU compiler (jaxlib 0.10.2, deviceless GB200) fails to tile
+    # the backward pass's projection matmuls ("Couldn't find output tile sizes").
+    qs, ss = ("blkgd", "bkgls") if group > 1 else ("blkd", "bkls")
+    q = q.reshape(b, length, kv_heads, group, d) if group > 1 else q
 
     def block(q_block, first_row):
         rows = first_row + jnp.arange(q_block.shape[1])
-        scores = jnp.einsum("blkgd,bskd->bkgls", q_block, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.einsum(f"{qs},bskd->{ss}", q_block, k, preferred_element_type=jnp.float32) * scale
         scores = jnp.where(rows[:, None] >= jnp.arange(length)[None, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgls,bskd->blkgd", probs, v)
+        return jnp.einsum(f"{ss},bskd->{qs}", probs, v)
 
     if length <= chunk or length % chunk:
         out = block(q, 0)
     else:
-        blocks = q.reshape(b, length // chunk, chunk, kv_heads, heads // kv_heads, d).swapaxes(0, 1)
+        blocks = q.reshape(b, length // chunk, chunk, *q.shape[2:]).swapaxes(0, 1)
         starts = jnp.arange(length // chunk) * chunk
         out = jax.lax.map(lambda args: jax.checkpoint(block)(*args), (blocks, starts))
-        out = out.swapaxes(0, 1).reshape(b, length, kv_heads, heads // kv_heads, dv)
+        out = out.swapaxes(0, 1)
     return out.reshape(b, length, heads, dv)
 
 
