@@ -11,6 +11,8 @@ the Slurm launcher requeues).
 import os
 import sys
 
+from MaxOffload.cli import tool
+
 
 def print_help():
     from MaxOffload.config.defaults import docs
@@ -21,14 +23,9 @@ def print_help():
         print(f"  {key} = {default!r}\n      {meaning}")
 
 
+@tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.cli import run
-
-    return run(_main, argv)
-
-
-def _main(argv):
     from MaxOffload.platform import prefer_cpu_without_gpu
 
     prefer_cpu_without_gpu()

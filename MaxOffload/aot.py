@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from MaxOffload.cli import tool
 from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing  # noqa: F401  (re-exported)
 
 
@@ -88,14 +89,9 @@ def format_report(r):
     return "\n".join(lines)
 
 
+@tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.cli import run
-
-    return run(_main, argv)
-
-
-def _main(argv):
     from MaxOffload import cli
 
     argv, _, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS)

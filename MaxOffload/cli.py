@@ -7,14 +7,15 @@
   as for any repeated `key=value`.
 - A tool's own options (`--rounds 3`, `--no_confirm`) are declared by the tool; any other `--name` is an
   error naming the options the tool takes.
-- `run(main)` turns the errors of MaxOffload.errors into one line on stderr and their exit status.
+- `@tool` on a tool's main (or `run(main)`) turns the errors of MaxOffload.errors into one line on stderr and their exit status.
 """
+import functools
 import sys
 
 from MaxOffload.errors import ConfigError, exit_code
 
 KEY_OPTIONS = {"--target": "aot.target", "--topology": "aot.topology", "--output_dir": "run.output_dir"}
-TARGET_KEYS = ("--target", "--topology", "--output_dir")  # what the tools that compile for a GPU target take
+TARGET_KEYS = tuple(KEY_OPTIONS)  # the tools that compile for a GPU target take all three
 
 
 def parse(argv, doc, keys=("--output_dir",), options=None, flags=()):
@@ -52,6 +53,15 @@ def parse(argv, doc, keys=("--output_dir",), options=None, flags=()):
             rest.append(arg)
         i += 1
     return rest, values, {f: f in seen for f in flags}
+
+
+def tool(main):
+    """Decorates a tool's `main(argv)`: its errors of MaxOffload.errors become one line and their status."""
+    @functools.wraps(main)
+    def wrapped(argv):
+        return run(main, argv)
+
+    return wrapped
 
 
 def run(main, argv=None):

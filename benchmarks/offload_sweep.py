@@ -25,6 +25,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
 
 VARIANTS = {
     "remat": ("full", "baseline"),
@@ -111,14 +112,9 @@ def variant_argv(argv, name):
     return argv + extra + [f"xla.preset={preset}"]
 
 
+@tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.cli import run
-
-    return run(_main, argv)
-
-
-def _main(argv):
     from MaxOffload import cli
     from MaxOffload.config import ConfigError, load
 

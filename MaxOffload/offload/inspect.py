@@ -13,6 +13,7 @@ did not take effect, 2 a configuration error.
 import os
 import sys
 
+from MaxOffload.cli import tool
 from MaxOffload.offload.placement import (  # noqa: F401  (the library, re-exported for callers of this module)
     _as_requested, activation_groups, build_report, bytes_per_device, classify_residuals, cpu_temp_bytes,
     cuda_host_placements)
@@ -50,14 +51,9 @@ def format_report(report):
     return "\n".join(lines)
 
 
+@tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.cli import run
-
-    return run(_main, argv)
-
-
-def _main(argv):
     from MaxOffload import cli
     from MaxOffload.platform import prefer_cpu_without_gpu
     from MaxOffload.reports import publish

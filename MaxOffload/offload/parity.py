@@ -12,6 +12,7 @@ one does not, 2 on a configuration error.
 import contextlib
 import sys
 
+from MaxOffload.cli import tool
 from MaxOffload.errors import ParityError  # noqa: F401  (raised by the trainer's pre-flight)
 
 
@@ -85,14 +86,9 @@ def format_rows(ref_loss, tolerance, rows):
     return "\n".join(lines)
 
 
+@tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.cli import run
-
-    return run(_main, argv)
-
-
-def _main(argv):
     from MaxOffload import cli
     from MaxOffload.platform import prefer_cpu_without_gpu
 

@@ -49,6 +49,7 @@ import math
 import os
 import sys
 
+from MaxOffload.cli import tool
 from MaxOffload.errors import ConfigError, PlanError
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
@@ -692,14 +693,9 @@ def with_overrides(cfg, lines):
     return variant
 
 
+@tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.cli import run
-
-    return run(_main, argv)
-
-
-def _main(argv):
     from MaxOffload import cli
     from MaxOffload.cli import TARGET_KEYS
     from MaxOffload.deviceless import plugin_missing

@@ -22,6 +22,8 @@ import os
 import shlex
 import sys
 
+from MaxOffload.cli import tool
+
 
 def host_memory_limit_gb(cfg):
     """launch.host_memory_limit_gb, or (0) the plan's host need with headroom, capped by host RAM per GPU."""
@@ -58,14 +60,9 @@ def exports(cfg, environ=None):
     ]
 
 
+@tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.cli import run
-
-    return run(_main, argv)
-
-
-def _main(argv):
     from MaxOffload import cli
     from MaxOffload.config import load
 
