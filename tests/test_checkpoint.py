@@ -110,6 +110,30 @@ def _corrupt(step_dir):
     return step_dir
 
 
+def _flip_bytes(step_dir):
+    """Flips bytes in the middle of the largest file under state/: same size, other content."""
+    files = [os.path.join(root, name) for root, _, names in os.walk(step_dir / "state") for name in names]
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.seek(os.path.getsize(largest) // 2)
+        chunk = f.read(64)
+        f.seek(os.path.getsize(largest) // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    return os.path.relpath(largest, step_dir)
+
+
+def _sound(step_dir):
+    """Whether a step directory matches its integrity manifest (verified as a restore does)."""
+    from MaxOffload.train import integrity
+
+    with open(step_dir / "integrity.process_0.json") as f:
+        saved = json.load(f)["structure"]
+    try:
+        return integrity.verify(str(step_dir), saved, 0, 1) is None
+    except integrity.Damaged:
+        return False
+
+
 def test_corrupted_checkpoint_is_one_line_and_fallback_uses_the_previous(tmp_path):
     args = [*TINY, "train.steps=8", f"run.output_dir={tmp_path}", "checkpoint.every_steps=4"]
     assert run_cli(["train.py", *args]).returncode == 0
@@ -119,11 +143,67 @@ def test_corrupted_checkpoint_is_one_line_and_fallback_uses_the_previous(tmp_pat
     result = run_cli(["train.py", *later])
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert str(tmp_path / "checkpoints" / "8") in lines[0] and "fallback_to_previous" in lines[0]
+    assert "delete" not in lines[0]
+
+
+def test_bit_flipped_checkpoint_is_refused_and_replaced_when_the_run_gets_there_again(tmp_path):
+    args = [*TINY, "train.steps=8", f"run.output_dir={tmp_path}", "checkpoint.every_steps=4"]
+    assert run_cli(["train.py", *args]).returncode == 0
+    eight = tmp_path / "checkpoints" / "8"
+    assert _sound(eight)
+    flipped = _flip_bytes(eight)
+    assert not _sound(eight)  # same size: only the digest can tell
+    later = [*TINY, "train.steps=10", f"run.output_dir={tmp_path}", "checkpoint.every_steps=4"]
+    result = run_cli(["train.py", *later])
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "SHA-256" in lines[0] and flipped in lines[0], result.stderr
     result = run_cli(["train.py", *later, "checkpoint.fallback_to_previous=true"])
     assert result.returncode == 0, result.stderr
     assert "falling back to step 4" in result.stderr and "(step 4)" in result.stdout
+    assert "training steps 5-10" in result.stdout
+    assert sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == ["10", "4", "8"]
+    assert _sound(eight)  # the re-trained step 8 replaced the damaged one
+
+
+def test_checkpoint_of_another_model_or_optimizer_names_the_difference_and_never_advises_deleting(tmp_path):
+    assert run_cli(["train.py", *TINY, "train.steps=3", f"run.output_dir={tmp_path}"]).returncode == 0
+    for change, named in (("model.emb_dim=32", "float32[512, 64]"), ("train.grad_clip_norm=0", "leaves")):
+        result = run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={tmp_path}", change])
+        assert result.returncode == 2, result.stdout + result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "another model or optimizer" in lines[0] and named in lines[0], lines[0]
+        assert "corrupted" not in lines[0] and "delete" not in lines[0] and "config.json" in lines[0]
+    assert run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={tmp_path}"]).returncode == 0
+
+
+def test_integrity_manifests_of_any_number_of_processes_are_all_checked(tmp_path):
+    """Two saving processes' files (ocdbt.process_<i>/), checked by one restoring process; a missing manifest
+    makes the checkpoint unverifiable, not damaged."""
+    from MaxOffload.train import integrity
+
+    files = {"state/ocdbt.process_0/d/a": b"zero", "state/ocdbt.process_1/d/b": b"one",
+             "state/array_metadatas/process_1": b"meta", "state/_METADATA": b"shared"}
+    for rel, data in files.items():
+        os.makedirs(os.path.dirname(tmp_path / rel), exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    shape = {"['params']['w']": [[2, 3], "float32"]}
+    integrity.seal(str(tmp_path), 0, 2, shape)
+    integrity.seal(str(tmp_path), 1, 2, shape)
+    with open(tmp_path / "integrity.process_1.json") as f:
+        assert sorted(json.load(f)["files"]) == ["state/array_metadatas/process_1", "state/ocdbt.process_1/d/b"]
+    assert integrity.verify(str(tmp_path), shape, 0, 1) is None
+    (tmp_path / "state/ocdbt.process_1/d/b").write_bytes(b"ONE")
+    with pytest.raises(integrity.Damaged, match="ocdbt.process_1/d/b"):
+        integrity.verify(str(tmp_path), shape, 0, 1)
+    assert integrity.verify(str(tmp_path), shape, 0, 2) is None  # process 1's files are the other process's
+    with pytest.raises(integrity.Mismatch, match=r"\['params'\]\['w'\] was saved as float32\[2, 3\]"):
+        integrity.verify(str(tmp_path), {"['params']['w']": [[3, 3], "float32"]}, 0, 1)
+    os.remove(tmp_path / "integrity.process_1.json")
+    assert "process 1" in integrity.verify(str(tmp_path), shape, 0, 1)
 
 
 def test_restore_on_a_different_mesh_gives_identical_parameters(tmp_path):

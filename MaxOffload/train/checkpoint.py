@@ -1,10 +1,11 @@
 """Orbax checkpoints of the whole train state, restored straight into the current sharding.
 
-Layout: <run.output_dir>/checkpoints/<step>/{state, meta}. `state` is the train-state pytree
-(step, params, opt_state, model_state); `meta` is JSON with what exact resume needs beyond
-it (the data position: batches are a pure function of (run.seed, step)). Orbax writes each
-checkpoint to a temporary directory and renames it when complete, so a process killed during
-an asynchronous save leaves the previous checkpoint intact; the leftover is skipped.
+Layout: <run.output_dir>/checkpoints/<step>/{state, meta, integrity.process_<i>.json}. `state` is the
+train-state pytree (step, params, opt_state, model_state); `meta` is JSON with what exact resume needs beyond
+it (the data position: batches are a pure function of (run.seed, step)); the integrity manifests (see
+integrity.py) let a restore find damage or another model before Orbax reads the arrays. Orbax writes each
+checkpoint to a temporary directory and renames it when complete, so a process killed during an asynchronous
+save leaves the previous checkpoint intact; the leftover is skipped.
 """
 import os
 import sys
@@ -13,21 +14,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.train import integrity
 
 
 def _warn(text):
     if jax.process_index() == 0:
         print(f"warning: {text}", file=sys.stderr, flush=True)
-
-
-def _quiet_closed_loop(kind, value, tb, _default=sys.excepthook):
-    """sys.excepthook while restoring: when Orbax gives up on a damaged checkpoint, reads still in flight
-    complete on tensorstore's threads and call back into the asyncio loop Orbax has already closed; Python
-    prints that RuntimeError through sys.excepthook. It says nothing about the checkpoint (the restore's own
-    exception does, in one line), so it is dropped; everything else goes to the default hook."""
-    if kind is RuntimeError and str(value) == "Event loop is closed":
-        return
-    _default(kind, value, tb)
 
 
 def _restore_args(setup):
@@ -44,17 +36,35 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, enable_async_checkpointing=True,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.structure = integrity.structure(setup.abstract_state)
+        self.unsealed = None  # the step whose save may still be in flight, its manifest not yet written
+        self.damaged = set()  # steps found damaged by restore_latest: the run replaces them when it gets there
+
+    def has(self, step):
+        """Whether a sound checkpoint of `step` exists (a damaged one is to be replaced)."""
+        return step in self.manager.all_steps() and step not in self.damaged
 
     def save(self, step, state, meta):
         """Starts an asynchronous save of `state` at `step` (returns before the bytes are written)."""
+        self.wait()  # Orbax would wait for the previous save here anyway; its manifest is written first
+        if step in self.damaged:
+            self.manager.delete(step)  # re-trained from an older checkpoint: the sound state replaces it
+            self.damaged.discard(step)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        self.unsealed = step
 
     def wait(self):
+        """Waits for the save in flight, then writes its integrity manifest."""
         self.manager.wait_until_finished()
+        if self.unsealed is not None:
+            step_dir = os.path.join(self.directory, str(self.unsealed))
+            if os.path.isdir(step_dir):  # absent if Orbax's garbage collection already removed it
+                integrity.seal(step_dir, jax.process_index(), jax.process_count(), self.structure)
+            self.unsealed = None
 
     def close(self):
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
     def restore_latest(self):
@@ -63,20 +73,29 @@ class Checkpointer:
             if "tmp" in name:
                 _warn(f"skipping incomplete checkpoint {os.path.join(self.directory, name)} (a save was interrupted)")
         steps = sorted(self.manager.all_steps(), reverse=True)
-        sys.excepthook = _quiet_closed_loop  # kept for the process: the stray callbacks can come at any time
         for i, step in enumerate(steps):
+            path = os.path.join(self.directory, str(step))
             try:
+                unverified = integrity.verify(path, self.structure, jax.process_index(), jax.process_count())
+                if unverified:
+                    _warn(f"checkpoint {path} is restored unverified: {unverified}")
                 restored = self.manager.restore(step, args=_restore_args(self.setup))
                 return restored.state, dict(restored.meta)
-            except Exception as e:  # unreadable: say which, and what to do
-                path = os.path.join(self.directory, str(step))
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            except integrity.Mismatch as e:  # intact, but another model or optimizer: not a reason to fall back
+                raise ConfigError(f"checkpoint {path} was saved for another model or optimizer: {e}; resume it with "
+                                  "the config it was saved with (the run's config.json), or choose a new "
+                                  "run.output_dir") from None
+            except Exception as e:  # damaged or unreadable: say which, and what to do
+                text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                reason = text if isinstance(e, integrity.Damaged) else f"{type(e).__name__}: {text}"
                 older = steps[i + 1] if i + 1 < len(steps) else None
                 if not self.cfg.checkpoint.fallback_to_previous or older is None:
                     hint = (f"; set checkpoint.fallback_to_previous=true to resume from step {older}" if older is not None
-                            else "; delete it or choose another run.output_dir")
+                            else "; move it out of checkpoints/ to start afresh, or choose another run.output_dir")
                     raise ConfigError(f"checkpoint {path} is corrupted or unreadable ({reason}){hint}") from None
-                _warn(f"checkpoint {path} is unreadable ({reason}); falling back to step {older}")
+                _warn(f"checkpoint {path} is unreadable ({reason}); falling back to step {older} "
+                      f"(step {step} is replaced when the run saves it again)")
+                self.damaged.add(step)
         return None
 
 
@@ -92,8 +111,18 @@ def load_params(path, setup):
             continue
         manager = ocp.CheckpointManager(os.path.abspath(directory))
         step = step if step is not None else manager.latest_step()
+        step_dir = os.path.join(os.path.abspath(directory), str(step))
         try:
+            unverified = integrity.verify(step_dir, integrity.structure(setup.abstract_state), jax.process_index(),
+                                          jax.process_count())
+            if unverified:
+                _warn(f"checkpoint {step_dir} is loaded unverified: {unverified}")
             restored = manager.restore(step, args=_restore_args(setup))
+        except integrity.Mismatch as e:
+            raise ConfigError(f"checkpoint.load_params_from={path}: step {step} was saved for another model or "
+                              f"optimizer ({e}); it must come from the same model and optimizer") from None
+        except integrity.Damaged as e:
+            raise ConfigError(f"checkpoint.load_params_from={path}: step {step} is corrupted ({e})") from None
         except Exception as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: cannot restore step {step} "
                               f"({type(e).__name__}); it must come from the same model and optimizer") from None

@@ -187,7 +187,7 @@ class Training:
         return state, 0
 
     def save(self, checkpointer, step, state):
-        if not self.cfg.checkpoint.enabled or step in checkpointer.manager.all_steps():
+        if not self.cfg.checkpoint.enabled or checkpointer.has(step):
             return
         checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
                                         "data": self.data.description})

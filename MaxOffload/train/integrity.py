@@ -1,0 +1,137 @@
+"""What a checkpoint holds, checked before Orbax reads a byte of it.
+
+Each saved step directory gets one `integrity.process_<i>.json` per process: the SHA-256 and size of every
+file that process wrote (its `ocdbt.process_<i>/` shards and array metadata; process 0 also owns the shared
+files), and, from process 0, the train state's structure (every leaf's path, shape and dtype). Before a
+restore, the structure is compared with the configured one (a different model or optimizer is named as such,
+never called damage) and every listed file is hashed again (damage is found here, before tensorstore reads a
+truncated or bit-flipped chunk). The manifests are split over the processes that restore, whatever number
+saved them, and all processes agree on the outcome.
+"""
+import hashlib
+import json
+import os
+import re
+
+import jax
+import numpy as np
+
+_PREFIX, _SUFFIX = "integrity.process_", ".json"
+_OWNER = re.compile(r"(?:^|/)(?:ocdbt\.process_|array_metadatas/process_)(\d+)(?:/|$)")
+
+
+class Damaged(Exception):
+    """A file is missing, has another size, or another digest than when it was saved."""
+
+
+class Mismatch(Exception):
+    """The checkpoint is intact but holds another structure than the configured train state."""
+
+
+def structure(tree):
+    """{leaf path: [shape, dtype]} of a pytree of arrays or ShapeDtypeStructs."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): [list(leaf.shape), str(leaf.dtype)] for path, leaf in leaves}
+
+
+def _digest(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _owned_files(step_dir, process_index):
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), step_dir)
+            if rel.startswith(_PREFIX):
+                continue
+            owner = _OWNER.search(rel)
+            if (int(owner.group(1)) if owner else 0) == process_index:
+                yield rel
+
+
+def seal(step_dir, process_index, process_count, state_structure):
+    """Writes this process's manifest for a finished save (atomically: a manifest is whole or absent)."""
+    files = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _digest(os.path.join(step_dir, rel))]
+             for rel in sorted(_owned_files(step_dir, process_index))}
+    record = {"process": process_index, "processes": process_count, "files": files}
+    if process_index == 0:
+        record["structure"] = state_structure
+    path = os.path.join(step_dir, f"{_PREFIX}{process_index}{_SUFFIX}")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def _manifests(step_dir):
+    found = {}
+    for name in os.listdir(step_dir):
+        if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
+            with open(os.path.join(step_dir, name)) as f:
+                record = json.load(f)
+            found[int(record["process"])] = record
+    return found
+
+
+def _compare(saved, configured):
+    """One line on how the saved structure differs from the configured one, or None."""
+    missing = [k for k in configured if k not in saved]
+    extra = [k for k in saved if k not in configured]
+    changed = [k for k in configured if k in saved and saved[k] != configured[k]]
+    if not (missing or extra or changed):
+        return None
+    if changed:
+        k = changed[0]
+        what = (f"{k} was saved as {saved[k][1]}{saved[k][0]}, the config makes {configured[k][1]}{configured[k][0]}"
+                + (f" (and {len(changed) - 1} more leaves differ)" if len(changed) > 1 else ""))
+    elif missing:
+        what = f"{len(missing)} leaves the config makes are not in it (e.g. {missing[0]})"
+    else:
+        what = f"it has {len(extra)} leaves the config does not make (e.g. {extra[0]})"
+    return what
+
+
+def _check_local(step_dir, configured, process_index, process_count):
+    """(code, text) for the manifests this process checks: 0 fine, 1 unverifiable, 2 damaged, 3 mismatch."""
+    try:
+        manifests = _manifests(step_dir)
+    except (OSError, ValueError, KeyError) as e:
+        return 2, f"its integrity manifest is unreadable ({type(e).__name__})"
+    if 0 not in manifests:
+        return 1, "it has no integrity manifest (saved by an older MaxOffload, or the run ended before writing it)"
+    what = _compare(manifests[0].get("structure", {}), configured)
+    if what:
+        return 3, what
+    expected = int(manifests[0].get("processes", 1))
+    absent = sorted(set(range(expected)) - set(manifests))
+    if absent:
+        return 1, f"the integrity manifest of process {absent[0]} is missing"
+    for owner in sorted(manifests):
+        if owner % process_count != process_index:
+            continue
+        for rel, (size, digest) in manifests[owner]["files"].items():
+            path = os.path.join(step_dir, rel)
+            if not os.path.isfile(path):
+                return 2, f"{rel} is missing"
+            if os.path.getsize(path) != size:
+                return 2, f"{rel} has {os.path.getsize(path)} bytes, {size} when saved"
+            if _digest(path) != digest:
+                return 2, f"{rel} differs from what was saved (SHA-256 mismatch)"
+    return 0, ""
+
+
+def verify(step_dir, configured, process_index, process_count):
+    """Returns a warning text (unverifiable) or None; raises Damaged or Mismatch, the same on every process."""
+    code, text = _check_local(step_dir, configured, process_index, process_count)
+    if process_count > 1:
+        from jax.experimental import multihost_utils
+
+        codes = np.asarray(multihost_utils.process_allgather(np.int32(code)))
+        worst = int(codes.max())
+        if worst != code:
+            code, text = worst, f"process {int(np.argmax(codes))} found it {'damaged' if worst == 2 else 'different'}"
+    if code == 2:
+        raise Damaged(text)
+    if code == 3:
+        raise Mismatch(text)
+    return text or None
