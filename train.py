@@ -33,7 +33,7 @@ def main(argv):
         print_help()
         return 0
     from MaxOffload import cli
-    from MaxOffload.config import ConfigError, load
+    from MaxOffload.config import load
 
     argv, _, _ = cli.parse(argv, __doc__)
     cfg = load(argv)
@@ -49,18 +49,16 @@ def main(argv):
         # a dry run proves the launch: plan for the aot target, confirmed by its deviceless compile
         from MaxOffload import deviceless
 
-        missing = deviceless.plugin_missing()
-        if missing:
-            raise ConfigError(f"remat.policy=auto with run.dry_run=true plans for aot.target: {missing}")
+        deviceless.require_plugin("remat.policy=auto with run.dry_run=true plans for aot.target")
         print(f"remat.policy=auto: planning for aot.target={cfg.aot.target} aot.topology={cfg.aot.topology} "
               "(dry run: the launch's GPUs, compiled deviceless)", flush=True)
-        cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)
+        plan = resolve(cfg, cfg.aot.target, cfg.aot.topology)
         devices = deviceless.compile_only_devices(cfg.aot.target, cfg.aot.topology)
     else:
-        cfg = resolve(cfg)  # remat.policy=auto -> explicit settings (planned once per config, cached)
+        plan = resolve(cfg)  # the OffloadPlan; remat.policy=auto: planned once per config, cached
     from MaxOffload.train.trainer import run
 
-    return run(cfg, devices)
+    return run(cfg, plan, devices)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import sys
 import time
 
 from MaxOffload.cli import tool
-from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing  # noqa: F401  (re-exported)
+from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing, require_plugin  # noqa: F401  (re-exported)
 
 
-def build_report(cfg, target, topology):
+def build_report(cfg, plan, target, topology):
     from MaxOffload import hardware
     from MaxOffload.offload import xla_bugs
     from MaxOffload.offload.placement import activation_groups
@@ -31,7 +31,7 @@ def build_report(cfg, target, topology):
 
     accelerator = hardware.ACCELERATORS[target]
     devices = compile_only_devices(target, topology)
-    setup = TrainSetup(cfg, devices)
+    setup = TrainSetup(cfg, plan, devices)
     groups, problems, _ = activation_groups(cfg, setup)
     started = time.perf_counter()
     compiled = setup.lower_train_step().compile()
@@ -58,7 +58,7 @@ def build_report(cfg, target, topology):
         "offloaded": {label: g["offloaded"] for label, g in groups.items()},
         "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
         "problems": problems, "compile_time_s": compile_time,
-        "warnings": [w for w in [xla_bugs.affects(cfg, "gpu")] if w],
+        "warnings": [w for w in [xla_bugs.affects(plan, "gpu")] if w],
     }
 
 
@@ -103,20 +103,18 @@ def main(argv):
     from MaxOffload.reports import publish
 
     cfg = load(argv)
-    missing = plugin_missing()
-    if missing:
-        raise ConfigError(missing)
+    require_plugin()
     xla.apply(cfg)
     from MaxOffload.offload.planner import resolve
 
-    cfg = resolve(cfg, cfg.aot.target, cfg.aot.topology)  # remat.policy=auto: plan for this target
+    plan = resolve(cfg, cfg.aot.target, cfg.aot.topology)  # remat.policy=auto: planned for this target
     try:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"run.output_dir={cfg.run.output_dir}: {e.strerror}; choose a writable directory") from None
     print(f"compiling the training step of {argv[0]} for {cfg.aot.topology} x {cfg.aot.target} "
           "(deviceless) ...", flush=True)
-    report = build_report(cfg, cfg.aot.target, cfg.aot.topology)
+    report = build_report(cfg, plan, cfg.aot.target, cfg.aot.topology)
     publish(cfg, "aot_report.json", report, format_report(report))
     return 0 if report["fits"] else 1
 

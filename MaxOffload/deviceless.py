@@ -2,6 +2,8 @@
 of MaxOffload/hardware.py. A library for the aot tool, the planner's confirming compile and dry runs.
 """
 
+from MaxOffload.errors import ConfigError
+
 HOST_USABLE = 0.9  # share of the host RAM per GPU that pinned buffers may take (the OS and the job need the rest)
 
 
@@ -20,6 +22,14 @@ def plugin_missing():
     v = jaxlib.__version__
     return (f"the deviceless GPU compile needs the JAX CUDA plugin matching jaxlib {v}: "
             f"pip install 'jax-cuda13-plugin=={v}' 'jax-cuda13-pjrt=={v}' (or pip install -e '.[aot]')")
+
+
+def require_plugin(context=""):
+    """ConfigError (one line, exit 2) saying what to install when the JAX CUDA plugin is missing; `context`
+    says what needed it."""
+    missing = plugin_missing()
+    if missing:
+        raise ConfigError(f"{context}: {missing}" if context else missing)
 
 
 def compile_only_devices(target, topology):

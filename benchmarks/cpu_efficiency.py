@@ -37,10 +37,10 @@ def main():
 
     from MaxOffload import data as data_lib
     from MaxOffload.train.flops import train_flops_per_step
-    from MaxOffload.train.step import TrainSetup
+    from MaxOffload import resolve
 
     devices = jax.devices()
-    setup = TrainSetup(cfg, devices)
+    setup = resolve.train_setup(cfg, devices)
     data = data_lib.build(cfg)
     global_batch = cfg.train.per_device_batch_size * len(devices)
     flops_per_step = train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)

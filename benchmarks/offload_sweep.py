@@ -46,21 +46,19 @@ cfg = load(argv)
 xla.apply(cfg)
 target, topology = (cfg.aot.target, cfg.aot.topology) if deviceless else (None, None)
 from MaxOffload.offload import planner
-from MaxOffload import models
+from MaxOffload import models, resolve
 from MaxOffload.train import flops
 row = {}
 if target:
-    cfg = planner.resolve(cfg, target, topology, log=lambda *a: None)
-    hbm, host = planner.compiled_memory(cfg, planner._target_devices(target, topology))
-    result = planner.predict(cfg, target, topology)
+    plan = planner.resolve(cfg, target, topology, log=lambda *a: None)
+    hbm, host = planner.compiled_memory(resolve.train_setup(cfg, planner._target_devices(target, topology), plan))
+    result = planner.predict(cfg, target, topology, offload_plan=plan)
     row.update(mode="deviceless", hbm_gib=hbm / 2**30, host_gib=host / 2**30,
                tflops_per_device=result.tflops_per_device(), step_s=result.step_time(), measured=False)
 else:
     import jax
     from MaxOffload.parallel import logical
-    from MaxOffload.train.step import TrainSetup
-    cfg = planner.resolve(cfg, log=lambda *a: None)
-    setup = TrainSetup(cfg)
+    setup = resolve.train_setup(cfg, plan=planner.resolve(cfg, log=lambda *a: None))
     state = setup.init_state()
     batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
     step = setup.jitted_train_step()
@@ -90,9 +88,9 @@ def offload_policy(argv):
 
     cfg = load(argv)
     if cfg.remat.policy not in ("auto",):
-        from MaxOffload import models
+        from MaxOffload import resolve
 
-        if models.offloads_activations(cfg):
+        if resolve.static_plan(cfg).offloads_activations:
             return []
     return ["remat.policy=minimal_offloaded"] + [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
 

@@ -40,13 +40,14 @@ def _main(argv):
     from MaxOffload.config import load
     from MaxOffload.offload import planner
     from MaxOffload.parallel import logical
-    from MaxOffload.train.step import TrainSetup
+    from MaxOffload import resolve
 
     argv = argv if argv and "=" not in argv[0] else DEFAULT + argv  # no config given: the default model
     runs = {}
     for name in policies.split(","):
-        cfg = planner.resolve(load(argv + [f"remat.policy={name}"]), log=lambda *a: None)
-        setup = TrainSetup(cfg)
+        cfg = load(argv + [f"remat.policy={name}"])
+        plan = planner.resolve(cfg, log=lambda *a: None)
+        setup = resolve.train_setup(cfg, plan=plan)
         state = setup.init_state()
         batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
         step = setup.jitted_train_step()
@@ -54,7 +55,7 @@ def _main(argv):
             state, metrics = step(state, batch)  # compile + warm up
             jax.block_until_ready(metrics)
         runs[name] = {"setup": setup, "step": step, "state": state, "batch": batch, "times": [],
-                      "predicted": planner.predict(cfg).step_time()}
+                      "predicted": planner.predict(cfg, offload_plan=plan).step_time()}
         print(f"{name}: compiled", flush=True)
     for _ in range(int(rounds)):
         for run in runs.values():

@@ -17,6 +17,7 @@ from flax import nnx
 
 from conftest import ROOT
 from test_model import checkpoint_names  # the jaxpr walker, itself tested there
+from MaxOffload import resolve
 from MaxOffload import models
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek, moe
@@ -374,10 +375,10 @@ def test_capacity_mode_statistics_count_dropped_choices():
 
 
 def test_model_state_is_the_router_biases_and_moves_against_the_load():
-    from MaxOffload.train.step import TrainSetup
+    from MaxOffload import resolve
 
     cfg = tiny_config()
-    setup = TrainSetup(cfg)
+    setup = resolve.train_setup(cfg)
     state = jax.jit(setup._init)()
     assert jax.tree.map(lambda a: a.shape, state["model_state"]) == {"moe_layers": {"mlp": {"router_bias": (2, 8)}}}
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
@@ -394,9 +395,9 @@ def test_model_state_is_the_router_biases_and_moves_against_the_load():
 
 def test_every_tagged_name_is_tagged_in_the_training_step():
     from MaxOffload.parallel import logical
-    from MaxOffload.train.step import TrainSetup
+    from MaxOffload import resolve
 
-    setup = TrainSetup(tiny_config())
+    setup = resolve.train_setup(tiny_config())
     with logical.activate(setup.mesh, setup.rules):
         jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     assert checkpoint_names(jaxpr.jaxpr) == set(deepseek.TAGGED_NAMES)
@@ -429,7 +430,7 @@ def test_invalid_deepseek_config_is_one_clear_line(overrides, words):
 
 def test_671b_parameter_count_by_hand():
     cfg = load(["configs/deepseek_v3.py:671b"])
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: models.build(cfg)),
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: resolve.model(cfg)),
                                                                        nnx.Param)))
     d, vocab, heads = 7168, 129280, 128
     mla = d * 1536 + 1536 + 1536 * heads * 192 + d * (512 + 64) + 512 + 512 * heads * 128 * 2 + heads * 128 * d
@@ -464,7 +465,7 @@ def test_train_flops_by_hand():
     attention = 6 * tokens * 3 * seq * 2 * ((3 + 2) + 5) / 2  # qk_dim = nope + rope, v_dim
     assert train_flops_per_step(c, batch, seq) == pytest.approx(6 * tokens * macs + attention, rel=1e-12)
     # every routed expert and router weight counted once per chosen expert, never all experts
-    model = nnx.eval_shape(lambda: models.build(cfg))
+    model = nnx.eval_shape(lambda: resolve.model(cfg))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     all_experts = 2 * 4 * 3 * 8 * 7
     assert all_experts == sum(math.prod(params["moe_layers"]["mlp"][w].shape) for w in ("wi_0", "wi_1", "wo"))
@@ -562,7 +563,7 @@ def test_mla_goes_through_the_shared_chunked_attention():
 
     length = 2048
     cfg = load(["configs/deepseek_v3.py:tiny", f"train.seq_len={length}", "model.compute_dtype=float32"])
-    model = models.build(cfg)
+    model = resolve.model(cfg)
     jaxpr = jax.make_jaxpr(lambda t: model(t)[0])(jnp.zeros((1, length), jnp.int32)).jaxpr
 
     def shapes(jp):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from MaxOffload import resolve
 from MaxOffload import models
 from MaxOffload.config import get_config
 from MaxOffload.models import llama
@@ -202,7 +203,7 @@ def test_causal_mask():
 
 
 def build_with(cfg, params=None):
-    model = models.build(cfg)
+    model = resolve.model(cfg)
     if params is not None:
         nnx.update(model, params)
     return model
@@ -239,7 +240,7 @@ def test_unscanned_loop_uses_every_layer():
 
 
 def loss_and_grads(cfg, params, tokens, weights):
-    graphdef, _ = nnx.split(models.build(cfg))
+    graphdef, _ = nnx.split(resolve.model(cfg))
 
     def loss(p):
         return jnp.sum(nnx.merge(graphdef, p)(tokens) * weights)
@@ -251,7 +252,7 @@ def loss_and_grads(cfg, params, tokens, weights):
 @pytest.mark.parametrize("scan", [True, False])
 def test_remat_policies_do_not_change_logits_or_gradients(scan):
     base_cfg = tiny_cfg(scan_layers=scan)
-    _, params = nnx.split(models.build(base_cfg))
+    _, params = nnx.split(resolve.model(base_cfg))
     tokens = tokens_for(base_cfg)
     weights = jnp.asarray(np.random.default_rng(3).standard_normal((2, 8, base_cfg.model.vocab_size)), jnp.float32)
     results = {}
@@ -280,7 +281,7 @@ def assert_grads_close(a, b, rtol=1e-5):
 def test_gradients_match_between_scanned_and_unscanned():
     tokens = tokens_for(tiny_cfg())
     cfg_s, cfg_l = tiny_cfg(scan_layers=True), tiny_cfg(scan_layers=False)
-    _, params = nnx.split(models.build(cfg_s))
+    _, params = nnx.split(resolve.model(cfg_s))
     weights = jnp.asarray(np.random.default_rng(4).standard_normal((2, 8, cfg_s.model.vocab_size)), jnp.float32)
     _, (ls, gs) = loss_and_grads(cfg_s, params, tokens, weights)
     _, (ll, gl) = loss_and_grads(cfg_l, params, tokens, weights)
@@ -337,7 +338,7 @@ def test_walker_finds_names_inside_scan_and_checkpoint():
 def test_forward_pass_tags_exactly_the_declared_names(scan, policy):
     cfg = tiny_cfg(scan_layers=scan)
     cfg.remat.policy = policy
-    graphdef, params = nnx.split(models.build(cfg))
+    graphdef, params = nnx.split(resolve.model(cfg))
     tokens = tokens_for(cfg)
     jaxpr = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
     found = checkpoint_names(jaxpr.jaxpr)
@@ -389,7 +390,7 @@ def test_matmul_params_match_built_model():
     cfg = get_config()
     cfg.model.update(dict(vocab_size=100, emb_dim=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
                           mlp_dim=16))
-    model = nnx.eval_shape(lambda: models.build(cfg))
+    model = nnx.eval_shape(lambda: resolve.model(cfg))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     total = n_params(params)
     embedding = math.prod(params["embed"].shape)
@@ -413,7 +414,7 @@ def test_published_param_counts(size, published):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cfg = module.get_config(size)
-    model = nnx.eval_shape(lambda: models.build(cfg))
+    model = nnx.eval_shape(lambda: resolve.model(cfg))
     total = n_params(nnx.state(model, nnx.Param))
     assert total == pytest.approx(published, rel=0.01)
 

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from conftest import run_cli
+from MaxOffload import resolve
 from MaxOffload.config import ConfigError, load
 from MaxOffload.offload import planner, policy
 from MaxOffload.offload.planner import DEVICE, OFFLOAD, REMAT, Candidate, GroupCost, Machine
@@ -118,9 +119,7 @@ def test_override_lines_reproduce_the_plan(tmp_path):
         lines = planner.override_lines(result)
         assert lines[0] == "remat.policy=custom"
         again = load([*argv, *lines, f"run.output_dir={tmp_path}"])
-        from MaxOffload import models
-
-        assert models.remat_segments(again) == models.remat_segments(planner.apply(cfg, result))
+        assert resolve.static_plan(again) == planner.to_offload_plan(resolve.template(cfg), result)
         if "deepseek" in argv[0]:
             assert "remat.groups.auto_moe.layers=moe" in lines and "remat.groups.auto_dense.layers=dense" in lines
 
@@ -130,14 +129,14 @@ def test_resolve_is_cached_and_honours_pins(tmp_path, monkeypatch):
     cfg = load([*TINY, "remat.policy=auto", "remat.tensors.mlpwi_0=remat", f"run.output_dir={tmp_path}"])
     logs = []
     first = planner.resolve(cfg, log=logs.append)
-    assert first.remat.policy == "custom" and first.remat.tensors.mlpwi_0 == "remat"
+    assert all(dict(seg.decisions)["mlpwi_0"] == "remat" for seg in first.segments)
     assert not any("cached plan" in line for line in logs)
     logs.clear()
     second = planner.resolve(cfg, log=logs.append)
     assert any("cached plan" in line for line in logs)
-    assert second.remat.to_dict() == first.remat.to_dict()
+    assert second == first
     other = load([*TINY, "remat.policy=full", f"run.output_dir={tmp_path}"])
-    assert planner.resolve(other, log=logs.append) is other
+    assert planner.resolve(other, log=logs.append) == resolve.static_plan(other)
 
 
 def test_auto_on_the_command_line_replaces_the_files_recipe(tmp_path):
@@ -244,12 +243,13 @@ def test_auto_plan_is_what_inspect_finds_in_the_step(tmp_path):
     """The resolved auto plan, traced: every planned decision is what inspect reads from the step's jaxpr
     (offload / saved in HBM / recomputed), per model group, with no problems reported."""
     from MaxOffload.offload.inspect import activation_groups
-    from MaxOffload.train.step import TrainSetup
+    from MaxOffload import resolve
 
     cfg = load([*TINY, "remat.policy=auto", "remat.tensors.mlpwi_0=offload", f"run.output_dir={tmp_path}"])
     result = planner.plan(cfg, "gb200", "1x1x4", confirm=False, log=quiet)
-    resolved = planner.with_overrides(cfg, planner.override_lines(result))
-    groups, problems, _ = activation_groups(resolved, TrainSetup(resolved, planner._target_devices("gb200", "1x1x4")))
+    offload_plan = planner.to_offload_plan(resolve.template(cfg), result)
+    groups, problems, _ = activation_groups(cfg, resolve.train_setup(cfg, planner._target_devices("gb200", "1x1x4"),
+                                                                     offload_plan))
     assert not problems
     seen = {(entry["model_group"], name): t["result"] for entry in groups.values()
             for name, t in entry["tensors"].items()}

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from MaxOffload import resolve
 from MaxOffload.data import synthetic, text, tokenizer
 
 # A tiny Llama on the quickstart recipe (real text, lr 3e-3).
@@ -395,12 +396,11 @@ def test_tokenizer_vocab_size():
 def _tiny_params(*extra):
     from flax import nnx
 
-    from MaxOffload import models
     from MaxOffload.config import load
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load([os.path.join(root, "configs", "llama3_1.py") + ":tiny", *extra])
-    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: models.build(cfg))))
+    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: resolve.model(cfg))))
 
 
 def _mask_by_name(mask):

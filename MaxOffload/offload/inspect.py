@@ -60,16 +60,16 @@ def main(argv):
 
     argv, _, flags = cli.parse(argv, __doc__, flags=("--no_cpu_memory",))
     prefer_cpu_without_gpu()
+    from MaxOffload import resolve
     from MaxOffload.config import ConfigError, load
-    from MaxOffload.train.step import TrainSetup
 
     cpu_memory = not flags["--no_cpu_memory"]
-    from MaxOffload.offload.planner import resolve
+    from MaxOffload.offload import planner
 
-    cfg = resolve(load(argv))  # remat.policy=auto -> explicit settings
+    cfg = load(argv)
     if not cfg.model.scan_layers:
         raise ConfigError("inspect reads the scanned layer segments; drop model.scan_layers=false")
-    setup = TrainSetup(cfg)
+    setup = resolve.train_setup(cfg, plan=planner.resolve(cfg))  # remat.policy=auto: planned for these devices
     try:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
     except OSError as e:

@@ -24,13 +24,11 @@ from MaxOffload.errors import ParityError  # noqa: F401  (raised by the trainer'
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 
 
-def _loss_and_grads(cfg, params, batch, model_state=None):
+def _loss_and_grads(setup, params, batch, model_state=None):
     import jax
 
     from MaxOffload.parallel import logical
-    from MaxOffload.train.step import TrainSetup
 
-    setup = TrainSetup(cfg)
     model_state = {} if model_state is None else model_state
     with logical.activate(setup.mesh, setup.rules):
         fn = jax.jit(lambda p, m, b: jax.value_and_grad(lambda q: setup.loss(q, m, b)[0])(p),
@@ -39,36 +37,33 @@ def _loss_and_grads(cfg, params, batch, model_state=None):
         return fn(params, model_state, batch)
 
 
-def compare(cfg, presets=()):
+def compare(setup, presets=()):
     """(reference loss, tolerance, [(label, loss, loss rel. diff, grad rel. diff, ok)]) against full remat,
-    for cfg and `presets`."""
+    for the TrainSetup's own plan and `presets` on every layer."""
     import jax
 
-    precision = jax.default_matmul_precision("highest") if cfg.model.compute_dtype == "float32" else \
+    precision = jax.default_matmul_precision("highest") if setup.cfg.model.compute_dtype == "float32" else \
         contextlib.nullcontext()  # float32: no TF32 rounding (a GPU's default) to hide a real difference
     with precision:
-        return _compare(cfg, presets)
+        return _compare(setup, presets)
 
 
-def _compare(cfg, presets):
+def _compare(setup, presets):
     import jax
     import jax.numpy as jnp
     import optax
 
     from MaxOffload import data as data_lib
-    from MaxOffload.offload.segments import with_policy
-    from MaxOffload.train.step import TrainSetup
 
-    reference_cfg = with_policy(cfg, "full")
-    setup = TrainSetup(reference_cfg)
-    state = setup.init_state()
+    cfg, reference = setup.cfg, setup.with_plan(setup.plan.uniform("full"))
+    state = reference.init_state()
     params, model_state = state["params"], state["model_state"]
-    batch = setup.put_batch(data_lib.build(cfg, jax.process_index(), jax.process_count()).train_batch(0))
-    ref_loss, ref_grads = _loss_and_grads(reference_cfg, params, batch, model_state)
+    batch = reference.put_batch(data_lib.build(cfg, jax.process_index(), jax.process_count()).train_batch(0))
+    ref_loss, ref_grads = _loss_and_grads(reference, params, batch, model_state)
     ref_norm = float(optax.tree.norm(ref_grads))
     tolerance = TOLERANCE[cfg.model.compute_dtype]
     rows = []
-    variants = [("this config", cfg)] + [(preset, with_policy(cfg, preset)) for preset in presets]
+    variants = [("this config", setup)] + [(preset, setup.with_plan(setup.plan.uniform(preset))) for preset in presets]
     for label, variant in variants:
         loss, grads = _loss_and_grads(variant, params, batch, model_state)
         loss_diff = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
@@ -94,13 +89,15 @@ def main(argv):
 
     argv, _, flags = cli.parse(argv, __doc__, keys=(), flags=("--all_presets",))
     prefer_cpu_without_gpu()
+    from MaxOffload import resolve
     from MaxOffload.config import load
-    from MaxOffload.offload.planner import resolve
+    from MaxOffload.offload import planner
     from MaxOffload.offload.policy import PRESETS
 
-    cfg = resolve(load(argv))  # remat.policy=auto -> explicit settings
+    cfg = load(argv)
+    setup = resolve.train_setup(cfg, plan=planner.resolve(cfg))  # remat.policy=auto: planned for these devices
     presets = [p for p in PRESETS if p not in ("full", "custom")] if flags["--all_presets"] else []
-    ref_loss, tolerance, rows = compare(cfg, presets)
+    ref_loss, tolerance, rows = compare(setup, presets)
     print(format_rows(ref_loss, tolerance, rows))
     bad = [r[0] for r in rows if not r[4]]
     print(f"parity FAILED for: {', '.join(bad)}" if bad else "parity holds: same loss and gradients as full remat")

@@ -142,7 +142,7 @@ def activation_groups(cfg, setup):
         jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     found = classify_residuals(jaxpr)
     groups, problems, expected_placements = {}, [], []
-    for segment in models.remat_segments(cfg):
+    for segment in setup.plan.segments:
         requested = dict(segment.decisions)
         seen = found.get(segment.label, {})
         layers = segment.stop - segment.start
@@ -183,7 +183,7 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
         lowered_text = exported.mlir_module()
     placements = cuda_host_placements(lowered_text)
     found_placements, wanted = collections.Counter(placements), collections.Counter(expected_placements)
-    state_on_host = cfg.offload.params or cfg.offload.optimizer_state
+    state_on_host = setup.plan.state_on_host
     # host-resident state adds placements of its own (the updated state goes back to the host)
     if found_placements != wanted and not (state_on_host and not wanted - found_placements):
         problems.append(f"CUDA lowering has {len(placements)} pinned_host placements {sorted(placements)}, "
@@ -196,23 +196,19 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
               "offload_bytes_per_device": sum(g["offload_bytes_per_device"] for g in groups.values()),
               "problems": problems}
     if cpu_memory:
-        report["cpu_temp_bytes"] = cpu_temp_bytes(cfg)
+        report["cpu_temp_bytes"] = cpu_temp_bytes(setup)
     return report
 
 
-def cpu_temp_bytes(cfg):
+def cpu_temp_bytes(setup):
     """Compiled (XLA:CPU) temporary bytes of the step for this config's policy, full remat and save_all.
 
     On CPU an offloaded tensor is simply saved, so these show what saving costs in device
     memory — the HBM that offloading gives back — not the host side.
     """
-    from MaxOffload.train.step import TrainSetup
-
-    from MaxOffload.offload.segments import with_policy
-
     out = {}
-    for label, variant in (("this config", cfg), ("full", with_policy(cfg, "full")),
-                           ("save_all", with_policy(cfg, "save_all"))):
-        compiled = TrainSetup(variant).compile_train_step()
+    for label, plan in (("this config", setup.plan), ("full", setup.plan.uniform("full")),
+                        ("save_all", setup.plan.uniform("save_all"))):
+        compiled = setup.with_plan(plan).compile_train_step()
         out[label] = int(compiled.memory_analysis().temp_size_in_bytes)
     return out

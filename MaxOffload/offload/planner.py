@@ -50,11 +50,11 @@ import os
 import sys
 
 from MaxOffload.cli import tool
-from MaxOffload.errors import ConfigError, PlanError
+from MaxOffload.errors import PlanError
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
-PLANNER_VERSION = 2
+PLANNER_VERSION = 3
 # Calibration, from measurements (docs/planner.md, "Calibration"):
 # achievable share of the bf16 peak: 0.34 measured on an H200 (Llama-8B layers, full remat, XLA's chunked
 # attention: 1.38 s/step where 0.6 predicted 0.79 s); the published DeepSeek-V3 GB200 runs imply ~0.31 (578
@@ -156,13 +156,14 @@ def _score_ratio(model_config):
     return qk / v
 
 
-def cost_model(cfg, groups, m, seq_len=None):
-    """(candidates, {group: GroupCost}) from placement.activation_groups' entries (traced under full remat)."""
+def cost_model(cfg, groups, m, seq_len=None, pinned=None):
+    """(candidates, {group: GroupCost}) from placement.activation_groups' entries (traced under full remat);
+    `pinned` {name: decision}: what the user fixed (MaxOffload.resolve.pins)."""
     from MaxOffload import models
 
     mc = models.model_config(cfg)
     seq_len = seq_len or cfg.train.seq_len
-    pinned = {k: v for k, v in cfg.remat.tensors.items() if v}
+    pinned = pinned or {}
     candidates, costs = [], {}
     for entry in groups.values():
         group, layers = entry["model_group"], entry["layers"][1] - entry["layers"][0] + 1
@@ -438,16 +439,15 @@ def with_recompute_hbm(candidates, full_hbm, saved_hbm):
     return out, base
 
 
-def saved_config(cfg, candidates):
-    """cfg with every candidate kept in HBM (the second anchor of with_recompute_hbm)."""
+def saved_plan(base, candidates):
+    """`base` (an OffloadPlan) with every candidate kept in HBM (the second anchor of with_recompute_hbm)."""
     everything = {(c.group, c.name): DEVICE for c in candidates}
-    return apply(cfg, Plan(everything, {}, candidates, {}, None, 0.0, ""))
+    return to_offload_plan(base, Plan(everything, {}, candidates, {}, None, 0.0, ""))
 
 
-def compiled_memory(cfg, devices):
-    from MaxOffload.train.step import TrainSetup
-
-    m = TrainSetup(cfg, devices).compile_train_step().memory_analysis()
+def compiled_memory(setup):
+    """(HBM, pinned host) bytes per device of a TrainSetup's compiled step, from XLA's memory analysis."""
+    m = setup.compile_train_step().memory_analysis()
     hbm = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     host = (m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
             + m.host_temp_size_in_bytes)
@@ -456,20 +456,18 @@ def compiled_memory(cfg, devices):
 
 def plan(cfg, target=None, topology=None, confirm=True, log=print):
     """The Plan for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
-    from MaxOffload import models
+    from MaxOffload import models, resolve
     from MaxOffload.offload.placement import activation_groups
-    from MaxOffload.offload.segments import with_policy
     from MaxOffload.train import flops
-    from MaxOffload.train.step import HOST, TrainSetup
+    from MaxOffload.train.step import HOST
 
     devices = _target_devices(target, topology)
     accelerator = _accelerator(target, devices)
-    full = with_policy(cfg, "full")
-    setup = TrainSetup(full, devices)
+    setup = resolve.train_setup(cfg, devices, resolve.template(cfg))  # full remat
     m = machine(accelerator, cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST)) if accelerator \
         else cpu_machine()
-    groups, _, _ = activation_groups(full, setup)
-    candidates, costs = cost_model(cfg, groups, m)
+    groups, _, _ = activation_groups(cfg, setup)
+    candidates, costs = cost_model(cfg, groups, m, pinned=resolve.pins(cfg))
     mc = models.model_config(cfg)
     n = setup.mesh.size
     model_flops = flops.train_flops_per_step(mc, cfg.train.per_device_batch_size * n, cfg.train.seq_len) / n
@@ -479,8 +477,8 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     if confirm:
         log(f"planner: compiling full remat and keep-everything for {target or accelerator.name} (the HBM base "
             "and the recompute working set) ...")
-        full_hbm, _ = compiled_memory(full, devices)
-        saved_hbm, _ = compiled_memory(saved_config(cfg, candidates), devices)
+        full_hbm, _ = compiled_memory(setup)
+        saved_hbm, _ = compiled_memory(setup.with_plan(saved_plan(setup.plan, candidates)))
         candidates, base = with_recompute_hbm(candidates, full_hbm, saved_hbm)
         source = ("deviceless compiles" if target else "compiles") + \
             f" of full remat ({_gib(full_hbm)}) and keep-everything ({_gib(saved_hbm)})"
@@ -489,9 +487,9 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     result = Plan({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s)
     result.decisions, result.reasons = search(candidates, costs, m, base)
     for round_ in range(CONFIRM_ROUNDS if confirm else 0):
-        variant = apply(cfg, result)
+        variant = setup.with_plan(to_offload_plan(setup.plan, result))
         log(f"planner: confirming the plan with a compile (round {round_ + 1}) ...")
-        result.compiled_hbm, result.compiled_host = compiled_memory(variant, devices)
+        result.compiled_hbm, result.compiled_host = compiled_memory(variant)
         over = result.compiled_hbm - m.hbm_usable * (1 - HBM_MARGIN / 2)
         if over <= 0 and result.compiled_host <= m.host_budget:
             break
@@ -503,16 +501,18 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     return result
 
 
-def predict(cfg, target=None, topology=None):
-    """The cost model's Plan for cfg's OWN policy (no search): its decisions per model group, predicted step
-    time, TFLOP/s and HBM (analytic base). remat.policy=auto is planned without confirming compiles."""
-    from MaxOffload import models
-    from MaxOffload.offload.policy import AUTO
+def predict(cfg, target=None, topology=None, offload_plan=None):
+    """The cost model's Plan for an OffloadPlan's decisions (default: cfg's own; no search): its decisions per
+    model group, predicted step time, TFLOP/s and HBM (analytic base). remat.policy=auto without a plan is
+    planned without confirming compiles."""
+    from MaxOffload import resolve
 
     result = plan(cfg, target, topology, confirm=False, log=lambda *a: None)
-    if cfg.remat.policy != AUTO:
+    if offload_plan is None and not resolve.planned(cfg):
+        offload_plan = resolve.static_plan(cfg)
+    if offload_plan is not None:
         chosen = {}
-        for seg in models.remat_segments(cfg):
+        for seg in offload_plan.segments:
             for name, d in seg.decisions:
                 chosen[(seg.model_group, name)] = d
         result.decisions = {(c.group, c.name): chosen.get((c.group, c.name), REMAT) for c in result.candidates}
@@ -523,32 +523,32 @@ def check_prediction(cfg, target, topology):
     """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
     (base and recompute working set from the full-remat and keep-everything compiles, + kept tensors)
     against XLA's figure for the same config. Decisions are read from cfg's traced step, per segment."""
+    from MaxOffload import resolve
     from MaxOffload.offload.placement import activation_groups
-    from MaxOffload.offload.segments import with_policy
-    from MaxOffload.train.step import HOST, TrainSetup
+    from MaxOffload.train.step import HOST
 
     devices = _target_devices(target, topology)
-    full = with_policy(cfg, "full")
-    setup = TrainSetup(full, devices)
+    own = resolve.train_setup(cfg, devices)
+    setup = own.with_plan(own.plan.uniform("full"))
     m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
-    model_candidates, _ = cost_model(full, activation_groups(full, setup)[0], m)
-    full_hbm, _ = compiled_memory(full, devices)
-    saved_hbm, _ = compiled_memory(saved_config(full, model_candidates), devices)
+    model_candidates, _ = cost_model(cfg, activation_groups(cfg, setup)[0], m)
+    full_hbm, _ = compiled_memory(setup)
+    saved_hbm, _ = compiled_memory(setup.with_plan(saved_plan(setup.plan, model_candidates)))
     model_candidates, base = with_recompute_hbm(model_candidates, full_hbm, saved_hbm)
     share = {(c.group, c.name): c.remat_bytes for c in model_candidates}
     candidates, decisions = [], {}
-    for label, entry in activation_groups(cfg, TrainSetup(cfg, devices))[0].items():
+    for label, entry in activation_groups(cfg, own)[0].items():
         layers = entry["layers"][1] - entry["layers"][0] + 1
         for name, t in entry["tensors"].items():
             kind = {"offload": OFFLOAD, "offload+device": DEVICE, "device": DEVICE}.get(t["result"], REMAT)
             candidates.append(Candidate(label, name, layers, t["bytes_per_device_per_step"] // layers, 0, 0, 0, (),
                                         remat_bytes=share.get((entry["model_group"], name), 0.0)))
             decisions[(label, name)] = kind
-    return base + usage(candidates, decisions)[0], compiled_memory(cfg, devices)[0]
+    return base + usage(candidates, decisions)[0], compiled_memory(own)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
-# plan -> config / override lines / table
+# plan -> OffloadPlan / override lines (printed, never parsed back) / table
 
 
 def group_decisions(result):
@@ -572,21 +572,10 @@ def override_lines(result):
     return lines
 
 
-def apply(cfg, result):
-    """A copy of cfg with the plan written out as remat.policy=custom + tensors / groups."""
-    from MaxOffload.config.defaults import add_layer_group, reset_remat
-
-    variant = cfg.copy_and_resolve_references()
-    per_group = group_decisions(result)
-    reset_remat(variant, "custom")
-    if len(per_group) == 1:
-        (only,) = per_group.values()
-        for name, d in only.items():
-            variant.remat.tensors[name] = d
-    else:
-        for group, chosen in per_group.items():
-            add_layer_group(variant, f"auto_{group}", layers=group, **chosen)
-    return variant
+def to_offload_plan(base, result):
+    """`base` (an OffloadPlan: the run's state placement) with the plan's decisions on its layers: what the
+    override lines give when typed on the command line."""
+    return base.per_group(group_decisions(result))
 
 
 def _gib(n):
@@ -642,55 +631,41 @@ def cache_key(cfg, target, topology, device_count=None):
 
 
 def resolve(cfg, target=None, topology=None, confirm=True, use_cache=True, log=print):
-    """cfg with remat.policy=auto replaced by the planned explicit settings (cfg itself otherwise).
+    """The run's OffloadPlan: cfg's own (MaxOffload.resolve.static_plan), or for remat.policy=auto the planned
+    one, cached per config. target/topology: plan for compile-only GPUs (the aot tool); None: for this
+    process's devices."""
+    from MaxOffload import resolve as resolve_lib
 
-    target/topology: plan for compile-only GPUs (the aot tool); None: for this process's devices."""
-    from MaxOffload.offload.policy import AUTO
-
-    if cfg.remat.policy != AUTO:
-        return cfg
+    if not resolve_lib.planned(cfg):
+        return resolve_lib.static_plan(cfg)
     import jax
 
     key = cache_key(cfg, target, topology, None if target else jax.device_count())
     path = os.path.join(_cache_dir(), key + ".json")
-    lines = None
+    cached = None
     if use_cache:
         try:
             with open(path) as f:
-                lines = json.load(f)["overrides"]
+                cached = json.load(f)
+            chosen, lines = cached["decisions"], cached["overrides"]
             log(f"remat.policy=auto: cached plan {path}")
         except (OSError, ValueError, KeyError):
-            lines = None
-    if lines is None:
+            cached = None
+    if cached is None:
         result = plan(cfg, target, topology, confirm=confirm, log=log)
         log(format_plan(result))
-        lines = override_lines(result)
+        chosen, lines = group_decisions(result), override_lines(result)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
-                json.dump({"overrides": lines, "predicted_step_s": result.step_time(),
+                json.dump({"decisions": chosen, "overrides": lines, "predicted_step_s": result.step_time(),
                            "predicted_tflops_per_device": result.tflops_per_device(),
                            "predicted_hbm_bytes": result.hbm_bytes(), "compiled_hbm_bytes": result.compiled_hbm},
                           f, indent=1)
         except OSError:
             pass  # a cache only
     log("remat.policy=auto resolved to: " + " ".join(lines))
-    return with_overrides(cfg, lines)
-
-
-def with_overrides(cfg, lines):
-    """A copy of cfg (auto cleared) with the override lines applied and validated."""
-    from MaxOffload.config.defaults import reset_remat
-    from MaxOffload.config.loader import apply_override
-    from MaxOffload.config.validate import validate
-
-    variant = cfg.copy_and_resolve_references()
-    reset_remat(variant, "custom")
-    for line in lines:
-        key, _, value = line.partition("=")
-        apply_override(variant, key, value)
-    validate(variant)
-    return variant
+    return resolve_lib.template(cfg).per_group(chosen)
 
 
 @tool
@@ -698,7 +673,7 @@ def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
     from MaxOffload import cli
     from MaxOffload.cli import TARGET_KEYS
-    from MaxOffload.deviceless import plugin_missing
+    from MaxOffload.deviceless import require_plugin
 
     argv, _, flags = cli.parse(argv, __doc__, keys=TARGET_KEYS, flags=("--no_confirm",))
     confirm = not flags["--no_confirm"]  # the CLI always plans afresh; resolve() caches for train.py/aot
@@ -709,9 +684,7 @@ def main(argv):
     from MaxOffload.config import load
 
     cfg = load(argv)
-    missing = plugin_missing()
-    if missing:
-        raise ConfigError(missing)
+    require_plugin()
     xla.apply(cfg)
     result = plan(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
     print(format_plan(result))

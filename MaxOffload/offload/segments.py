@@ -10,7 +10,6 @@ Ranges split the scan: each run of layers with the same decisions is one scanned
 import dataclasses
 import re
 
-from MaxOffload.config.defaults import reset_remat
 from MaxOffload.errors import ConfigError, suggest
 from MaxOffload.offload import policy as policy_lib
 
@@ -93,8 +92,22 @@ def layer_segments(remat_cfg, model_groups):
     return segments
 
 
-def with_policy(cfg, preset):
-    """A copy of cfg whose every layer uses `preset` (no per-tensor settings, no groups)."""
-    variant = cfg.copy_and_resolve_references()
-    reset_remat(variant, preset)
-    return variant
+def uniform(preset, model_groups):
+    """[Segment]: every layer under `preset`, one segment per model group."""
+    chosen = tuple(policy_lib.decisions(preset, {}).items())
+    return [Segment(group, start, stop, "", chosen, preset == "save_all")
+            for group, (start, stop) in sorted(model_groups.items(), key=lambda kv: kv[1])]
+
+
+def per_group(chosen, model_groups):
+    """[Segment] for {model group: {name: decision}} on top of `custom` (everything else recomputed), exactly what
+    the plan's override lines give: one group's choice is remat.tensors (every layer), several are one remat
+    group per model group."""
+    if len(chosen) == 1:
+        (only,) = chosen.values()
+        chosen, label = {g: only for g in model_groups}, (lambda g: "")
+    else:
+        label = lambda g: f"auto_{g}" if g in chosen else ""  # noqa: E731
+    return [Segment(group, start, stop, label(group), tuple(policy_lib.decisions("custom", chosen.get(group, {})).items()),
+                    False)
+            for group, (start, stop) in sorted(model_groups.items(), key=lambda kv: kv[1])]

@@ -30,10 +30,9 @@ def offload_miscompile(jaxlib_version=None):
     return None
 
 
-def affects(cfg, platform):
-    """The bug line when this run offloads activations on `platform` "gpu" with an affected jaxlib, else None."""
-    from MaxOffload import models
-
-    if platform != "gpu" or not models.offloads_activations(cfg):
+def affects(plan, platform):
+    """The bug line when an OffloadPlan offloads activations on `platform` "gpu" with an affected jaxlib, else
+    None."""
+    if platform != "gpu" or not plan.offloads_activations:
         return None
     return offload_miscompile()

@@ -48,15 +48,16 @@ class TrainSetup:
     sharding see ordinary dicts; `graphdef` turns params back into the NNX model.
     """
 
-    def __init__(self, cfg, devices=None):
-        """Raises ConfigError when the mesh does not fit the devices or the model's dimensions."""
+    def __init__(self, cfg, plan, devices=None):
+        """`plan`: the OffloadPlan (MaxOffload/resolve.py). Raises ConfigError when the mesh does not fit the
+        devices or the model's dimensions."""
         mesh = mesh_lib.make(cfg.mesh, devices)
         rules = {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()}
-        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+        self.cfg, self.plan, self.devices, self.mesh, self.rules = cfg, plan, devices, mesh, rules
         self.tx = optimizer.build(cfg.train)
         self.schedule = optimizer.schedule(cfg.train)
         self.model_config = models.model_config(cfg)
-        abstract_model = nnx.eval_shape(lambda: models.build(cfg))
+        abstract_model = nnx.eval_shape(self._model)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
         self.graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
@@ -66,8 +67,8 @@ class TrainSetup:
         check_divisible(abstract_params, param_shardings, mesh)
         self.abstract_state = jax.eval_shape(self._init)
         replicated = NamedSharding(mesh, PartitionSpec())
-        params_kind = HOST if cfg.offload.params else DEVICE
-        opt_kind = HOST if cfg.offload.optimizer_state else DEVICE
+        params_kind = HOST if plan.params_on_host else DEVICE
+        opt_kind = HOST if plan.optimizer_on_host else DEVICE
         self.state_shardings = {
             "step": replicated,
             "params": jax.tree.map(lambda s: s.with_memory_kind(params_kind), param_shardings),
@@ -82,8 +83,15 @@ class TrainSetup:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by the {context}-way sharding of "
                               f"activation_length ({mesh_lib.describe(mesh)})")
 
+    def with_plan(self, plan):
+        """The same run (config, devices) under another OffloadPlan: a planner's or a report's variant."""
+        return TrainSetup(self.cfg, plan, self.devices)
+
+    def _model(self):
+        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed))
+
     def _init(self):
-        _, params, model_state = nnx.split(models.build(self.cfg), nnx.Param, ...)
+        _, params, model_state = nnx.split(self._model(), nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
                 "model_state": nnx.to_pure_dict(model_state)}
@@ -110,10 +118,9 @@ class TrainSetup:
         (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state["params"], state["model_state"], batch)
         # Host-resident state visits HBM for the elementwise update only; the out_shardings
         # send the results back to pinned host memory.
-        offload = self.cfg.offload
-        params = to_device(state["params"], offload.params)
-        grads = to_device(grads, offload.params)
-        opt_state = to_device(state["opt_state"], offload.optimizer_state)
+        params = to_device(state["params"], self.plan.params_on_host)
+        grads = to_device(grads, self.plan.params_on_host)
+        opt_state = to_device(state["opt_state"], self.plan.optimizer_on_host)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         grad_norm = optax.tree.norm(grads)
         # A non-finite loss or gradient never reaches the state: keep the old values.

@@ -65,11 +65,11 @@ def prepare_output_dir(cfg):
                           "choose a writable directory") from None
 
 
-def verify_parity(cfg):
+def verify_parity(setup):
     from MaxOffload.offload import parity
 
     _say("offload.verify_parity: comparing this policy with full remat on one batch ...")
-    ref_loss, tolerance, rows = parity.compare(cfg)
+    ref_loss, tolerance, rows = parity.compare(setup)
     _say(parity.format_rows(ref_loss, tolerance, rows))
     if not all(row[4] for row in rows):
         raise parity.ParityError("the configured remat/offload policy changes the loss or gradients beyond tolerance; "
@@ -85,8 +85,9 @@ class Preempted(Exception):
     """SIGTERM/SIGUSR1: the state was saved; exit with PREEMPTED so the launcher requeues."""
 
 
-def run(cfg, devices=None):
-    """devices: the run's devices (default: this process's); a dry run may pass compile-only GPUs."""
+def run(cfg, plan, devices=None):
+    """plan: the OffloadPlan (MaxOffload/resolve.py); devices: the run's devices (default: this process's); a
+    dry run may pass compile-only GPUs."""
     process_index, process_count = distributed.initialize(cfg)
     _LEAD[0] = process_index == 0
     _say("MaxOffload config:\n" + describe(cfg))
@@ -94,18 +95,18 @@ def run(cfg, devices=None):
         _say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
     if _LEAD[0]:
         prepare_output_dir(cfg)
-    setup = TrainSetup(cfg, devices or jax.devices())
+    setup = TrainSetup(cfg, plan, devices or jax.devices())
     summary = describe_setup(cfg, setup)
     if cfg.run.dry_run:
         if _LEAD[0]:
             write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         _say(f"dry run: nothing allocated or run; wrote {os.path.join(cfg.run.output_dir, 'summary.json')}")
         return 0
-    miscompile = xla_bugs.affects(cfg, platform_of(setup))
+    miscompile = xla_bugs.affects(plan, platform_of(setup))
     if miscompile:
         _say(f"{miscompile}: turning the parity gate (offload.verify_parity) on")
-    if cfg.offload.verify_parity or miscompile:
-        verify_parity(cfg)
+    if plan.verify_parity or miscompile:
+        verify_parity(setup)
     try:
         return Training(cfg, setup, summary, process_index, process_count).run()
     except Preempted:

@@ -9,9 +9,9 @@ import sys
 import jax
 import numpy as np
 
+from MaxOffload import resolve
 from MaxOffload.config import load
 from MaxOffload.data import build as build_data
-from MaxOffload.train.step import TrainSetup
 
 BASE = ["configs/deepseek_v3.py:tiny", "train.steps=3", "train.warmup_steps=1", "train.seq_len=32",
         "train.per_device_batch_size=1", "model.compute_dtype=float32", "train.learning_rate=1e-2"]
@@ -25,7 +25,7 @@ def run(overrides, steps=2):
     devices = jax.devices()[:1] if single else None
     if single:
         cfg = load(BASE + overrides + [f"train.per_device_batch_size={jax.device_count()}"])
-    setup = TrainSetup(cfg, devices)
+    setup = resolve.train_setup(cfg, devices)
     step = setup.compile_train_step()
     state = setup.init_state()
     wi_0 = state["params"]["moe_layers"]["mlp"]["wi_0"]

@@ -5,9 +5,9 @@ import sys
 
 import jax
 
+from MaxOffload import resolve
 from MaxOffload.config import load
 from MaxOffload.data import build as build_data
-from MaxOffload.train.step import TrainSetup
 
 BASE = ["configs/llama3_1.py:tiny", "train.steps=3", "train.warmup_steps=1", "train.seq_len=32",
         "train.per_device_batch_size=1", "model.compute_dtype=float32", "model.num_heads=4", "model.num_kv_heads=2"]
@@ -15,7 +15,7 @@ BASE = ["configs/llama3_1.py:tiny", "train.steps=3", "train.warmup_steps=1", "tr
 
 def losses(overrides, steps=3):
     cfg = load(BASE + overrides)
-    setup = TrainSetup(cfg)
+    setup = resolve.train_setup(cfg)
     step = setup.compile_train_step()
     data = build_data(cfg)
     state = setup.init_state()
