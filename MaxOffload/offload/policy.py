@@ -34,7 +34,7 @@ PRESETS = {
 
 
 # remat.policy=auto: the planner (MaxOffload/offload/planner.py) chooses per tensor and layer group and
-# replaces it with `custom` + explicit settings right after the config is loaded. Accepted by the
+# returns an OffloadPlan of `custom` + its decisions right after the config is loaded. Accepted by the
 # validator for remat.policy only (ACCEPTED), never a key of PRESETS: the policy builder refuses it.
 AUTO = "auto"
 ACCEPTED = tuple(PRESETS) + (AUTO,)
