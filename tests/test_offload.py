@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxOffload import resolve
-from MaxOffload import models
+from MaxOffload import models, resolve
 from MaxOffload.config import ConfigError, defaults, load
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, parity, placement, policy, segments
@@ -643,6 +642,25 @@ def test_uniform_plan_clears_tensors_and_groups(group_cfg):
 def test_layer_group_rejects_unknown_tensor_names():
     with pytest.raises(ValueError, match="qkv_projj"):
         defaults.layer_group("0-1", qkv_projj="offload")
+
+
+def test_presets_and_families_speak_only_the_vocabulary_table():
+    """Every name a preset, a family's tagged names or its recompute-cost table uses is a row of names.TABLE
+    (a misspelt name would otherwise be silently recomputed, or costed as 0 FLOPs); the layer's tag() refuses
+    any other."""
+    from MaxOffload.offload import names
+
+    used = {n for preset in policy.PRESETS.values() for n in preset}
+    for family in models.FAMILIES.values():
+        used |= set(family.TAGGED_NAMES)
+    for config in (load(TINY + ["run.output_dir=/tmp/x"]), load(["configs/deepseek_v3.py:tiny", "run.output_dir=/tmp/x"])):
+        mc = models.model_config(config)
+        for group in models.layer_groups(config):
+            used |= set(mc.contractions(group, 64))
+    assert used and used <= set(names.TABLE), used - set(names.TABLE)
+    assert set(names.VOCABULARY) == set(names.TABLE) and set(names.ACTIVATION_AXES) <= set(names.TABLE)
+    with pytest.raises(KeyError, match="query_projj"):
+        names.tag(jnp.zeros(2), "query_projj")
 
 
 def test_unknown_preset_in_decisions():

@@ -116,10 +116,11 @@ class DeepSeekConfig(FromConfig):
         e.g. the latents' norms mla_q / mla_kv, costed by the planner as memory traffic)."""
         d = self.emb_dim
         mlp_out = self.mlp_dim if model_group == "dense" else self.moe_mlp_dim * max(self.num_shared_experts, 1)
-        return {"decoder_layer_input": 0, "query_wa_proj": d, "kv_wa_proj": d, "mla_q": 0, "mla_kv": 0,
-                "query_proj": self.q_lora_rank, "key_proj": self.kv_lora_rank, "value_proj": self.kv_lora_rank,
-                "attention_out": seq_len / 2, "out_proj": self.num_heads * self.v_head_dim, "mlpwi_0": d,
-                "mlpwi_1": d, "mlpwo": mlp_out, "moe_mlpwi_0": d, "moe_mlpwi_1": d, "moe_mlpwo": self.moe_mlp_dim}
+        n = names
+        return {n.DECODER_LAYER_INPUT: 0, n.QUERY_WA_PROJ: d, n.KV_WA_PROJ: d, n.MLA_Q: 0, n.MLA_KV: 0,
+                n.QUERY_PROJ: self.q_lora_rank, n.KEY_PROJ: self.kv_lora_rank, n.VALUE_PROJ: self.kv_lora_rank,
+                n.ATTENTION_OUT: seq_len / 2, n.OUT_PROJ: self.num_heads * self.v_head_dim, n.MLPWI_0: d,
+                n.MLPWI_1: d, n.MLPWO: mlp_out, n.MOE_MLPWI_0: d, n.MOE_MLPWI_1: d, n.MOE_MLPWO: self.moe_mlp_dim}
 
     def attention_dims(self):
         """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs; qk_dim = nope + rope."""

@@ -67,9 +67,10 @@ class LlamaConfig(FromConfig):
     def contractions(self, model_group, seq_len):
         """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul)."""
         d = self.emb_dim
-        return {"decoder_layer_input": 0, "query_proj": d, "key_proj": d, "value_proj": d,
-                "attention_out": seq_len / 2, "out_proj": self.num_heads * self.head_dim, "mlpwi_0": d, "mlpwi_1": d,
-                "mlpwo": self.mlp_dim}
+        n = names
+        return {n.DECODER_LAYER_INPUT: 0, n.QUERY_PROJ: d, n.KEY_PROJ: d, n.VALUE_PROJ: d,
+                n.ATTENTION_OUT: seq_len / 2, n.OUT_PROJ: self.num_heads * self.head_dim, n.MLPWI_0: d, n.MLPWI_1: d,
+                n.MLPWO: self.mlp_dim}
 
 
 class DecoderLayer(nnx.Module):

@@ -1,34 +1,13 @@
 """The one vocabulary of activation names a remat/offload policy can refer to.
 
 Every layer tags its activations through `tag(x, NAME)` with a constant from this
-module; the policy builder and the config validator read `VOCABULARY`. Names are
+module; `TABLE` holds each name once with its doc and logical axes, and the policy presets,
+the config schema, the validator and the reports read it (or its views). Names are
 MaxText-compatible so published recipes carry over unchanged.
 """
-from jax.ad_checkpoint import checkpoint_name
+import dataclasses
 
-# name -> what the tensor is. Order is the order of the forward pass.
-VOCABULARY = {
-    "decoder_layer_input": "input of a decoder layer (the scan carry)",
-    "query_wa_proj": "MLA: query down-projection to q_lora_rank",
-    "kv_wa_proj": "MLA: key/value down-projection to kv_lora_rank (+ rope key)",
-    "mla_q": "MLA: normalised query latent",
-    "mla_kv": "MLA: normalised key/value latent",
-    "query_proj": "query projection (before RoPE)",
-    "key_proj": "key projection (before RoPE)",
-    "value_proj": "value projection",
-    "qkv_proj": "fused query/key/value projection",
-    "kv_proj": "fused key/value projection",
-    "context": "attention probabilities x values, before the output projection",
-    "attention_out": "attention output (heads x head_dim), before the output projection",
-    "out_proj": "attention output projection",
-    "mlpwi": "fused MLP input projection",
-    "mlpwi_0": "MLP gate projection (before the activation)",
-    "mlpwi_1": "MLP up projection",
-    "mlpwo": "MLP down projection",
-    "moe_mlpwi_0": "routed experts: gate projection",
-    "moe_mlpwi_1": "routed experts: up projection",
-    "moe_mlpwo": "routed experts: down projection",
-}
+from jax.ad_checkpoint import checkpoint_name
 
 DECODER_LAYER_INPUT = "decoder_layer_input"
 QUERY_WA_PROJ = "query_wa_proj"
@@ -38,8 +17,12 @@ MLA_KV = "mla_kv"
 QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
+QKV_PROJ = "qkv_proj"
+KV_PROJ = "kv_proj"
+CONTEXT = "context"
 ATTENTION_OUT = "attention_out"
 OUT_PROJ = "out_proj"
+MLPWI = "mlpwi"
 MLPWI_0 = "mlpwi_0"
 MLPWI_1 = "mlpwi_1"
 MLPWO = "mlpwo"
@@ -47,29 +30,53 @@ MOE_MLPWI_0 = "moe_mlpwi_0"
 MOE_MLPWI_1 = "moe_mlpwi_1"
 MOE_MLPWO = "moe_mlpwo"
 
-# The layer input is the scan carry and the checkpointed function's input: asking to recompute
-# it still keeps it in HBM (there is nothing to recompute it from). Offloading it does move
-# it to the host (checked on jax 0.10.2; jax#23869 reported otherwise for older versions).
-ALWAYS_KEPT = (DECODER_LAYER_INPUT,)
 
-for _name in (DECODER_LAYER_INPUT, QUERY_WA_PROJ, KV_WA_PROJ, MLA_Q, MLA_KV, QUERY_PROJ, KEY_PROJ, VALUE_PROJ,
-              ATTENTION_OUT, OUT_PROJ, MLPWI_0, MLPWI_1, MLPWO, MOE_MLPWI_0, MOE_MLPWI_1, MOE_MLPWO):
-    assert _name in VOCABULARY, _name
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    doc: str  # what the tensor is
+    axes: tuple = None  # logical axes (layer-input layout, per layer): how the sharding rules split it for the
+    #                     bytes-per-device report; None: split over the batch only
+    always_kept: bool = False  # the scan carry: asking to recompute it still keeps it in HBM
 
 
-# Logical axes of the tagged activations (layer-input layout, per layer): how the sharding
-# rules split them, used to report bytes per device. Names missing here are reported as
-# split over the batch only.
 _BLE = ("activation_batch", "activation_length", "activation_embed")
-ACTIVATION_AXES = {
-    DECODER_LAYER_INPUT: _BLE, OUT_PROJ: _BLE, MLPWO: _BLE,
-    QUERY_PROJ: ("activation_batch", "activation_length", "activation_heads", "activation_kv"),
-    ATTENTION_OUT: ("activation_batch", "activation_length", "activation_heads", "activation_kv"),
-    KEY_PROJ: ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv"),
-    VALUE_PROJ: ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv"),
-    MLPWI_0: ("activation_batch", "activation_length", "activation_mlp"),
-    MLPWI_1: ("activation_batch", "activation_length", "activation_mlp"),
+_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
+_MLP = ("activation_batch", "activation_length", "activation_mlp")
+
+# THE table: every name a policy can refer to, once, in the order of the forward pass. MaxText-compatible, so
+# published recipes carry over unchanged (qkv_proj, kv_proj, context and mlpwi are MaxText's fused or
+# alternative tensors: accepted, never tagged by these models).
+TABLE = {
+    # The layer input is the scan carry and the checkpointed function's input: asking to recompute it still
+    # keeps it in HBM (there is nothing to recompute it from). Offloading it does move it to the host (checked
+    # on jax 0.10.2; jax#23869 reported otherwise for older versions).
+    DECODER_LAYER_INPUT: Entry("input of a decoder layer (the scan carry)", _BLE, always_kept=True),
+    QUERY_WA_PROJ: Entry("MLA: query down-projection to q_lora_rank"),
+    KV_WA_PROJ: Entry("MLA: key/value down-projection to kv_lora_rank (+ rope key)"),
+    MLA_Q: Entry("MLA: normalised query latent"),
+    MLA_KV: Entry("MLA: normalised key/value latent"),
+    QUERY_PROJ: Entry("query projection (before RoPE)", _HEADS),
+    KEY_PROJ: Entry("key projection (before RoPE)", _KV_HEADS),
+    VALUE_PROJ: Entry("value projection", _KV_HEADS),
+    QKV_PROJ: Entry("fused query/key/value projection"),
+    KV_PROJ: Entry("fused key/value projection"),
+    CONTEXT: Entry("attention probabilities x values, before the output projection"),
+    ATTENTION_OUT: Entry("attention output (heads x head_dim), before the output projection", _HEADS),
+    OUT_PROJ: Entry("attention output projection", _BLE),
+    MLPWI: Entry("fused MLP input projection"),
+    MLPWI_0: Entry("MLP gate projection (before the activation)", _MLP),
+    MLPWI_1: Entry("MLP up projection", _MLP),
+    MLPWO: Entry("MLP down projection", _BLE),
+    MOE_MLPWI_0: Entry("routed experts: gate projection"),
+    MOE_MLPWI_1: Entry("routed experts: up projection"),
+    MOE_MLPWO: Entry("routed experts: down projection"),
 }
+
+# Views of the table, for the readers that want one column.
+VOCABULARY = {name: entry.doc for name, entry in TABLE.items()}  # name -> what the tensor is
+ACTIVATION_AXES = {name: entry.axes for name, entry in TABLE.items() if entry.axes}
+ALWAYS_KEPT = tuple(name for name, entry in TABLE.items() if entry.always_kept)
 
 
 def tag(x, name):

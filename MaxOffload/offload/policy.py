@@ -5,29 +5,31 @@ A decision per vocabulary name: "remat" (recompute in the backward pass), "devic
 """
 import jax
 
+from MaxOffload.offload import names
 from MaxOffload.offload.names import VOCABULARY
 
 REMAT, DEVICE, OFFLOAD = "remat", "device", "offload"
 DECISIONS = (REMAT, DEVICE, OFFLOAD)
 
-_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj", "kv_proj")
-_MLA = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv")
-_MLP = ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
-_MOE = ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
-_PROJECTIONS = _MLA + _QKV + ("out_proj",) + _MLP + _MOE
+_QKV = (names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ, names.QKV_PROJ, names.KV_PROJ)
+_MLA = (names.QUERY_WA_PROJ, names.KV_WA_PROJ, names.MLA_Q, names.MLA_KV)
+_MLP = (names.MLPWI, names.MLPWI_0, names.MLPWI_1, names.MLPWO)
+_MOE = (names.MOE_MLPWI_0, names.MOE_MLPWI_1, names.MOE_MLPWO)
+_OUT, _CONTEXT = names.OUT_PROJ, names.CONTEXT
+_PROJECTIONS = _MLA + _QKV + (_OUT,) + _MLP + _MOE
 
 # preset -> {name: decision}; names not listed are recomputed. MaxText-compatible.
 PRESETS = {
     "full": {},
     "minimal": {n: DEVICE for n in _PROJECTIONS},
     "minimal_offloaded": {n: OFFLOAD for n in _PROJECTIONS},
-    "minimal_with_context": {n: DEVICE for n in _PROJECTIONS + ("context",)},
+    "minimal_with_context": {n: DEVICE for n in _PROJECTIONS + (_CONTEXT,)},
     "qkv_proj_offloaded": {n: OFFLOAD for n in _QKV},
     "save_qkv_proj": {n: DEVICE for n in _QKV},
-    "save_out_proj": {"out_proj": DEVICE},
-    "save_dot_except_mlp": {n: DEVICE for n in _QKV + _MLA + ("out_proj",)},
-    "save_dot_except_mlpwi": {n: DEVICE for n in _QKV + _MLA + ("out_proj", "mlpwo", "moe_mlpwo")},
-    "save_dot_with_context_except_mlp": {n: DEVICE for n in _QKV + _MLA + ("context", "out_proj")},
+    "save_out_proj": {_OUT: DEVICE},
+    "save_dot_except_mlp": {n: DEVICE for n in _QKV + _MLA + (_OUT,)},
+    "save_dot_except_mlpwi": {n: DEVICE for n in _QKV + _MLA + (_OUT, names.MLPWO, names.MOE_MLPWO)},
+    "save_dot_with_context_except_mlp": {n: DEVICE for n in _QKV + _MLA + (_CONTEXT, _OUT)},
     "save_all": {n: DEVICE for n in VOCABULARY},
     "custom": {},
 }
