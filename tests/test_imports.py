@@ -96,3 +96,21 @@ def test_errors_is_a_leaf():
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
                [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m and (m.startswith(PACKAGE) or m.split(".")[0] in ("jax", "jaxlib"))]
+
+
+def _source_reads(path, attribute):
+    """Lines of a module that access `attribute` on anything (e.g. logical.active)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == attribute]
+
+
+def test_models_never_read_the_active_mesh_nor_the_offload_config():
+    """The models take the OffloadPlan and the ExpertLayout; the mesh and cfg.remat/cfg.offload stay outside
+    (MaxOffload/resolve.py reads the config, TrainSetup the mesh)."""
+    models_dir = os.path.join(ROOT, PACKAGE, "models")
+    for name in sorted(os.listdir(models_dir)):
+        if name.endswith(".py"):
+            path = os.path.join(models_dir, name)
+            for attribute in ("active", "remat", "offload"):
+                assert not _source_reads(path, attribute), f"models/{name} reads .{attribute}"

@@ -28,7 +28,8 @@ def family_of(config):
     return next(f for f in FAMILIES.values() if isinstance(config, f.config_class))
 
 
-def build(config, plan, rngs):
-    """The model for a model configuration under an OffloadPlan (MaxOffload/resolve.py makes both)."""
+def build(config, plan, rngs, experts=None):
+    """The model for a model configuration under an OffloadPlan (MaxOffload/resolve.py makes both); `experts`:
+    the parallel/expert.ExpertLayout its MoE layers exchange tokens over (None: every expert local)."""
     return family_of(config).model_class(config, remat_segments=plan.by_stack(), params_on_host=plan.params_on_host,
-                                         rngs=rngs)
+                                         rngs=rngs, experts=experts)

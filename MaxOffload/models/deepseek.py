@@ -206,7 +206,7 @@ class MLA(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm MLA + (SwiGLU | MoE). An MoE layer returns (x, MoE statistics)."""
 
-    def __init__(self, c: DeepSeekConfig, *, moe, rngs):
+    def __init__(self, c: DeepSeekConfig, *, moe, rngs, experts=None):
         pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
         inv_freq, amplitude, softmax_scale = rope_setup(c)
         common = dict(param_dtype=pdt, compute_dtype=cdt, init_std=c.init_std, rngs=rngs)
@@ -220,7 +220,7 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
                            mlp_dim=c.moe_mlp_dim, num_shared=c.num_shared_experts, n_groups=c.n_groups,
                            topk_groups=c.topk_groups, scaling=c.routed_scaling_factor,
-                           capacity_factor=c.capacity_factor, **common)
+                           capacity_factor=c.capacity_factor, experts=experts, **common)
         else:
             self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, **common)
 
@@ -234,13 +234,15 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepSeek(DecoderModel):
-    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs):
+    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, experts=None):
+        """experts: the parallel/expert.ExpertLayout of the MoE layers' exchange (None: every expert local)."""
         self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())
         self.init_embeddings(c, params_on_host, rngs)
         if c.first_k_dense:
             self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r), c.first_k_dense, rngs)
         if c.num_moe_layers:
-            self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r), c.num_moe_layers, rngs)
+            self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r, experts=experts),
+                                             c.num_moe_layers, rngs)
         self.init_head(c, rngs)
 
     def __call__(self, tokens):

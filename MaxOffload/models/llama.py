@@ -93,7 +93,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(DecoderModel):
-    def __init__(self, c: LlamaConfig, *, remat_segments, params_on_host=False, rngs):
+    def __init__(self, c: LlamaConfig, *, remat_segments, params_on_host=False, rngs, experts=None):
+        """experts: an expert-parallel layout, as every family takes; Llama has no MoE layers."""
         self.remat_segments = remat_segments["decoder"]
         self.init_embeddings(c, params_on_host, rngs)
         self.layers = stacked_layers(lambda r: DecoderLayer(c, rngs=r), c.num_layers, rngs)

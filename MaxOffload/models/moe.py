@@ -10,7 +10,9 @@ One MoE layer, x: [batch, length, emb]:
     combine   out[token] = sum over its choices of gate * expert output
     + the shared expert, a SwiGLU every token passes through (tagged mlpwi_0/1, mlpwo like a dense MLP)
 
-Expert parallelism: expert weights are sharded over the `exp` logical axis (mesh axis `expert`),
+Expert parallelism (the mesh axes come from a parallel/expert.ExpertLayout that TrainSetup makes from the
+mesh and the rules and hands to the model; this module never reads the active mesh): expert weights are
+sharded over the `exp` logical axis (mesh axis `expert`),
 tokens over the batch axes, which include `expert`. The exchange is an all-gather of the tokens over
 `expert`, each device running its own experts on the rows routed to them, and a reduce-scatter of the
 combined outputs back to the tokens' owners (inside jax.shard_map; the matmuls' outputs are tagged
@@ -136,34 +138,27 @@ def _spec(*dims):
     return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
 
 
-def _axes(entry):
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
-class ExpertParallel:
-    """The dispatch / grouped matmul / combine steps, run per device under the active mesh (see the
-    module docstring), or directly when no mesh is active (every expert local)."""
+class ExpertExchange:
+    """The dispatch / grouped matmul / combine steps, run per device over a parallel/expert.ExpertLayout (see
+    the module docstring), or directly when there is none (every expert local)."""
 
-    def __init__(self, num_experts, capacity):
+    def __init__(self, layout, num_experts, capacity):
         self.capacity = capacity
-        active = logical.active()
-        self.mesh = active[0] if active else None
-        if self.mesh is None:  # every expert local; the specs are not used
+        self.mesh = layout.mesh if layout is not None else None
+        if layout is None:  # every expert local; the specs are not used
             self.ep = self.mlp = self.rows = ()
             self.tokens, self.gather, self.num_local = None, False, num_experts
             return
-        mesh, rules = active
-        spec = lambda axes: logical.partition_spec(axes, rules, mesh.axis_names)  # noqa: E731
-        batch, length, _ = (_axes(e) for e in spec(BATCH_LENGTH_EMBED))
-        length = () if capacity else length  # capacity is per whole sequence
-        self.ep = _axes(spec(("exp",))[0])
-        self.mlp = _axes(spec(("moe_mlp",))[0])
+        batch, length = layout.batch, () if capacity else layout.length  # capacity is per whole sequence
+        self.ep, self.mlp = layout.ep, layout.mlp
         self.gather = bool(self.ep) and set(self.ep) <= set(batch)  # else tokens are replicated over ep
         if self.ep and not self.gather and set(self.ep) & set(batch + length):
             raise ValueError(f"experts sharded over {self.ep} must shard the batch over all or none of them")
         self.tokens = _spec(batch, length, ())
         self.rows = batch + length + (() if self.gather else self.ep)
-        self.num_local = num_experts // math.prod(mesh.shape[a] for a in self.ep)
+        self.num_local = num_experts // layout.ways(self.ep)
 
     def _run(self, fn, in_specs, out_specs, *args):
         if self.mesh is None:
@@ -211,9 +206,10 @@ class ExpertParallel:
         return self._run(local, (_spec(self.rows, ()), _spec(self.rows), self.tokens), self.tokens, y_rows, row, gates)
 
 
-def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity):
-    """sum over each token's chosen experts of gate * SwiGLU_expert(x) -> [b, l, emb] float32."""
-    ep = ExpertParallel(wi_0.shape[0], capacity)
+def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, layout=None):
+    """sum over each token's chosen experts of gate * SwiGLU_expert(x) -> [b, l, emb] float32; `layout`: the
+    parallel/expert.ExpertLayout (None: every expert on this device)."""
+    ep = ExpertExchange(layout, wi_0.shape[0], capacity)
     rows, row, sizes = ep.dispatch(x, experts, positions)
     gate = names.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
     up = names.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
@@ -230,8 +226,10 @@ class MoE(nnx.Module):
     load [E] (choices per expert), dropped (choices over capacity), balance (sequence-wise loss)."""
 
     def __init__(self, *, emb_dim, num_experts, top_k, mlp_dim, num_shared, n_groups, topk_groups, scaling,
-                 capacity_factor, param_dtype, compute_dtype, init_std, rngs):
+                 capacity_factor, param_dtype, compute_dtype, init_std, rngs, experts=None):
+        """experts: the parallel/expert.ExpertLayout the exchange runs over (None: every expert local)."""
         self.top_k, self.n_groups, self.topk_groups, self.scaling = top_k, n_groups, topk_groups, scaling
+        self.layout = experts
         self.capacity_factor, self.compute_dtype = capacity_factor, compute_dtype
         self.router = param(rngs, (emb_dim, num_experts), ("embed", None), param_dtype, init_std)
         self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32))
@@ -250,7 +248,7 @@ class MoE(nnx.Module):
         capacity = math.ceil(self.capacity_factor * length * self.top_k / num_experts)
         positions = capacity_positions(experts, num_experts) if capacity else None
         out = routed_experts(x, experts, gates, positions, self.wi_0[...].astype(cdt), self.wi_1[...].astype(cdt),
-                             self.wo[...].astype(cdt), capacity).astype(x.dtype)
+                             self.wo[...].astype(cdt), capacity, self.layout).astype(x.dtype)
         if self.shared is not None:
             out = out + self.shared(x)
         stats = {"load": jax.nn.one_hot(experts, num_experts).sum((0, 1, 2)),

@@ -12,6 +12,7 @@ from MaxOffload.models.stack import to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib
+from MaxOffload.parallel.expert import ExpertLayout
 from MaxOffload.train import optimizer
 
 BATCH_AXES = ("activation_batch", "activation_length")
@@ -54,6 +55,7 @@ class TrainSetup:
         mesh = mesh_lib.make(cfg.mesh, devices)
         rules = {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()}
         self.cfg, self.plan, self.devices, self.mesh, self.rules = cfg, plan, devices, mesh, rules
+        self.experts = ExpertLayout.of(mesh, rules)  # the MoE layers' exchange: from the mesh, once
         self.tx = optimizer.build(cfg.train)
         self.schedule = optimizer.schedule(cfg.train)
         self.model_config = models.model_config(cfg)
@@ -88,7 +90,7 @@ class TrainSetup:
         return TrainSetup(self.cfg, plan, self.devices)
 
     def _model(self):
-        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed))
+        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed), self.experts)
 
     def _init(self):
         _, params, model_state = nnx.split(self._model(), nnx.Param, ...)
