@@ -138,8 +138,6 @@ def _spec(*dims):
     return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
 
 
-
-
 class ExpertExchange:
     """The dispatch / grouped matmul / combine steps, run per device over a parallel/expert.ExpertLayout (see
     the module docstring), or directly when there is none (every expert local)."""
@@ -158,7 +156,7 @@ class ExpertExchange:
             raise ValueError(f"experts sharded over {self.ep} must shard the batch over all or none of them")
         self.tokens = _spec(batch, length, ())
         self.rows = batch + length + (() if self.gather else self.ep)
-        self.num_local = num_experts // layout.ways(self.ep)
+        self.num_local = num_experts // logical.ways(layout.mesh, self.ep)
 
     def _run(self, fn, in_specs, out_specs, *args):
         if self.mesh is None:

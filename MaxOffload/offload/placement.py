@@ -7,7 +7,6 @@ tensor (`cuda_host_placements`); bytes per device from the sharding rules; the r
 The command line over it is MaxOffload/offload/inspect.py; the planner and the aot tool use it too.
 """
 import collections
-import math
 import re
 
 from MaxOffload.offload import names
@@ -117,7 +116,7 @@ def cuda_host_placements(module_text):
 def bytes_per_device(aval, name, setup):
     """Bytes of one tagged activation on one device, split as the sharding rules split its logical
     axes (dimensions an axis cannot divide evenly are counted whole)."""
-    from MaxOffload.parallel.logical import partition_spec
+    from MaxOffload.parallel.logical import partition_spec, ways
 
     axes = names.ACTIVATION_AXES.get(name)
     if axes is None or len(axes) != len(aval.shape):
@@ -125,8 +124,8 @@ def bytes_per_device(aval, name, setup):
     spec = partition_spec(axes, setup.rules, setup.mesh.axis_names)
     count = 1
     for dim, entry in zip(aval.shape, spec):
-        ways = math.prod(setup.mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
-        count *= dim // ways if dim % ways == 0 else dim
+        split = ways(setup.mesh, entry)
+        count *= dim // split if dim % split == 0 else dim
     return count * aval.dtype.itemsize
 
 

@@ -9,10 +9,6 @@ from MaxOffload.parallel import logical
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
-def _axes(entry):
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-
-
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
     mesh: object  # the jax.sharding.Mesh the exchange's shard_maps run over
@@ -24,12 +20,6 @@ class ExpertLayout:
     @classmethod
     def of(cls, mesh, rules):
         spec = lambda axes: logical.partition_spec(axes, rules, mesh.axis_names)  # noqa: E731
-        batch, length, _ = (_axes(e) for e in spec(TOKEN_AXES))
-        return cls(mesh, _axes(spec(("exp",))[0]), _axes(spec(("moe_mlp",))[0]), batch, length)
-
-    def ways(self, axes):
-        """How many devices `axes` (mesh axis names) span."""
-        out = 1
-        for a in axes:
-            out *= self.mesh.shape[a]
-        return out
+        batch, length, _ = (logical.spec_axes(e) for e in spec(TOKEN_AXES))
+        return cls(mesh, logical.spec_axes(spec(("exp",))[0]), logical.spec_axes(spec(("moe_mlp",))[0]), batch,
+                   length)

@@ -5,6 +5,7 @@ mesh axes shard each one. The trainer activates (mesh, rules) around tracing so 
 `constrain` inside a model can place activations without knowing the mesh.
 """
 import contextlib
+import math
 import threading
 
 import jax
@@ -48,6 +49,16 @@ def partition_spec(axes, rules, mesh_axis_names=None):
         used.update(mesh_axes)
         spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
     return PartitionSpec(*spec)
+
+
+def spec_axes(entry):
+    """One PartitionSpec entry (None, a mesh axis or a tuple of them) -> the tuple of mesh axes."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def ways(mesh, entry):
+    """How many devices one PartitionSpec entry splits a dimension over."""
+    return math.prod(mesh.shape[a] for a in spec_axes(entry))
 
 
 def named_sharding(mesh, axes, rules):

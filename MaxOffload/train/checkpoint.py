@@ -29,6 +29,13 @@ def _restore_args(setup):
     return ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
 
 
+def _verify(step_dir, structure):
+    """integrity.verify on this process (raises Damaged / Mismatch); an unverifiable checkpoint is a warning."""
+    unverified = integrity.verify(step_dir, structure, jax.process_index(), jax.process_count())
+    if unverified:
+        _warn(f"checkpoint {step_dir} is restored unverified: {unverified}")
+
+
 class Checkpointer:
     def __init__(self, cfg, setup):
         self.cfg, self.setup = cfg, setup
@@ -76,9 +83,7 @@ class Checkpointer:
         for i, step in enumerate(steps):
             path = os.path.join(self.directory, str(step))
             try:
-                unverified = integrity.verify(path, self.structure, jax.process_index(), jax.process_count())
-                if unverified:
-                    _warn(f"checkpoint {path} is restored unverified: {unverified}")
+                _verify(path, self.structure)
                 restored = self.manager.restore(step, args=_restore_args(self.setup))
                 return restored.state, dict(restored.meta)
             except integrity.Mismatch as e:  # intact, but another model or optimizer: not a reason to fall back
@@ -113,10 +118,7 @@ def load_params(path, setup):
         step = step if step is not None else manager.latest_step()
         step_dir = os.path.join(os.path.abspath(directory), str(step))
         try:
-            unverified = integrity.verify(step_dir, integrity.structure(setup.abstract_state), jax.process_index(),
-                                          jax.process_count())
-            if unverified:
-                _warn(f"checkpoint {step_dir} is loaded unverified: {unverified}")
+            _verify(step_dir, integrity.structure(setup.abstract_state))
             restored = manager.restore(step, args=_restore_args(setup))
         except integrity.Mismatch as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: step {step} was saved for another model or "

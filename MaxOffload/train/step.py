@@ -25,16 +25,12 @@ def masked_cross_entropy(logits, targets, mask):
     return jnp.sum(losses * mask), jnp.sum(mask)
 
 
-def _mesh_axes(entry):
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-
-
 def check_divisible(abstract_params, shardings, mesh):
     """ConfigError naming the first parameter dimension that its mesh axes do not divide."""
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_params))[0]
     for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
         for dim, entry in zip(leaf.shape, sharding.spec):
-            ways = math.prod(mesh.shape[a] for a in _mesh_axes(entry))
+            ways = logical.ways(mesh, entry)
             if dim % ways:
                 name = "/".join(str(getattr(k, "key", k)) for k in path)
                 raise ConfigError(f"parameter {name} {tuple(leaf.shape)}: dimension {dim} cannot be split {ways} ways "
@@ -80,7 +76,7 @@ class TrainSetup:
             "model_state": jax.tree.map(lambda _: replicated, self.abstract_state["model_state"]),
         }
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
-        context = math.prod(mesh.shape[a] for a in _mesh_axes(self.batch_sharding.spec[1]))
+        context = logical.ways(mesh, self.batch_sharding.spec[1])
         if cfg.train.seq_len % context:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by the {context}-way sharding of "
                               f"activation_length ({mesh_lib.describe(mesh)})")
