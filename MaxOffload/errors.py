@@ -33,6 +33,16 @@ def suggest(word, choices):
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def require(ok, message):
+    """Raises ConfigError(message) unless `ok`: the validators' one-line check."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def require_choice(key, value, choices):
+    require(value in choices, f"{key}={value!r} is not one of {', '.join(choices)}{suggest(value, choices)}")
+
+
 EXIT_CODES = ((ConfigError, 2), (ParityError, 1), (NonFiniteError, 1))
 
 

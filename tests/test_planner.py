@@ -7,8 +7,12 @@ import pytest
 from conftest import run_cli
 from MaxOffload import resolve
 from MaxOffload.config import ConfigError, load
+from MaxOffload.errors import PlanError
+from MaxOffload.offload import costs as costs_lib
 from MaxOffload.offload import planner, policy
-from MaxOffload.offload.planner import DEVICE, OFFLOAD, REMAT, Candidate, GroupCost, Machine
+from MaxOffload.offload import search as search_lib
+from MaxOffload.offload.costs import Candidate, GroupCost, Machine
+from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=64", "train.per_device_batch_size=4", "model.num_layers=4"]
 
@@ -61,19 +65,19 @@ def test_search_keeps_offloads_and_recomputes_by_budget():
     cands = [_cand("a", 100_000, 1e-3), _cand("b", 400_000, 1e-3), _cand("c", 500_000, 1e-3),
              _cand("d", 10, 1e-9)]
     # HBM for a (1 MB over 10 layers) only; b offloads (0.4 ms copy hides); c's copy would not fit under 0.8 ms
-    decisions, reasons = planner.search(cands, costs, _machine(hbm=1_500_000 / (1 - planner.HBM_MARGIN)), 0)
+    decisions, reasons = search_lib.search(cands, costs, _machine(hbm=1_500_000 / (1 - search_lib.HBM_MARGIN)), 0)
     assert decisions[("g", "a")] == DEVICE
     assert decisions[("g", "b")] == OFFLOAD and "hides" in reasons[("g", "b")]
     assert decisions[("g", "c")] == REMAT and "not hide" in reasons[("g", "c")]
     # a faster link: c offloads too; a tiny host budget: nothing offloads
     fast = [_cand(c.name, c.bytes, c.recompute_s, link=1e12) for c in cands]
-    decisions, _ = planner.search(fast, costs, _machine(1_500_000, link=1e12), 0)
+    decisions, _ = search_lib.search(fast, costs, _machine(1_500_000, link=1e12), 0)
     assert decisions[("g", "c")] == OFFLOAD
-    decisions, reasons = planner.search(cands, costs, _machine(1_500_000, host=10), 0)
+    decisions, reasons = search_lib.search(cands, costs, _machine(1_500_000, host=10), 0)
     assert decisions[("g", "b")] == REMAT and "host memory full" in reasons[("g", "b")]
     # a pinned setting is kept whatever it costs
     pinned = cands[:2] + [_cand("c", 500_000, 1e-3, pinned=REMAT)]
-    decisions, reasons = planner.search(pinned, costs, _machine(1e12), 0)
+    decisions, reasons = search_lib.search(pinned, costs, _machine(1e12), 0)
     assert decisions[("g", "c")] == REMAT and reasons[("g", "c")] == "pinned by remat.tensors"
 
 
@@ -83,16 +87,16 @@ def test_recompute_working_set_offloads_to_fit_and_an_impossible_budget_says_wha
     costs = {"g": GroupCost("g", 10, 1e9, 1e-3)}
     cands = [_cand("a", 100, 1e-3), _cand("b", 100, 3e-3)]  # recompute FLOPs 1:3
     # full remat: 1,000 + 400 bytes of working set; keeping both (2 x 100 B x 10 layers) compiles to 3,000
-    cands, base = planner.with_recompute_hbm(cands, full_hbm=1_400, saved_hbm=3_000)
+    cands, base = costs_lib.with_recompute_hbm(cands, full_hbm=1_400, saved_hbm=3_000)
     assert base == 1_000 and [c.remat_bytes * c.layers for c in cands] == [100, 300]
-    assert planner.usage(cands, {})[0] == 400  # all recomputed: the whole working set
+    assert costs_lib.usage(cands, {})[0] == 400  # all recomputed: the whole working set
     # 300 bytes over the base: recomputing b does not fit, so b goes to the host before anything else
-    decisions, reasons = planner.search(cands, costs, _machine(hbm=(1_000 + 300) / (1 - planner.HBM_MARGIN),
+    decisions, reasons = search_lib.search(cands, costs, _machine(hbm=(1_000 + 300) / (1 - search_lib.HBM_MARGIN),
                                                                link=1e12), base)
     assert decisions[("g", "b")] == OFFLOAD and "offloaded to fit HBM" in reasons[("g", "b")]
     assert decisions[("g", "a")] == OFFLOAD and "hides" in reasons[("g", "a")]  # keeping a (1,000 B) would not fit
-    with pytest.raises(planner.PlanError, match=r"least-HBM plan .* needs 0.00 MiB .*; use more devices"):
-        planner.search(cands, costs, _machine(hbm=500, host=10), base)  # nothing can go to the host
+    with pytest.raises(PlanError, match=r"least-HBM plan .* needs 0.00 MiB .*; use more devices"):
+        search_lib.search(cands, costs, _machine(hbm=500, host=10), base)  # nothing can go to the host
 
 
 def test_impossible_budget_is_one_line_exit_2(tmp_path):
@@ -106,8 +110,8 @@ def test_exchange_moves_a_kept_tensor_to_the_host_for_a_bigger_win():
     costs = {"g": GroupCost("g", 10, 1e9, 1.0)}
     small = _cand("small", 100, 1e-3)  # denser: kept first, fills HBM
     big = _cand("big", 1000, 5e-3)  # 5x the recompute, does not fit HBM nor the host (with small on it)
-    m = _machine(hbm=1000 / (1 - planner.HBM_MARGIN), host=10_000)
-    decisions, reasons = planner.search([small, big], costs, m, 0)
+    m = _machine(hbm=1000 / (1 - search_lib.HBM_MARGIN), host=10_000)
+    decisions, reasons = search_lib.search([small, big], costs, m, 0)
     saved = {k for k, d in decisions.items() if d != REMAT}
     assert saved == {("g", "small"), ("g", "big")}, (decisions, reasons)
 
@@ -256,13 +260,14 @@ def test_every_tagged_name_has_a_recompute_cost_and_a_missing_one_is_an_error():
         mc, family = models_lib.model_config(cfg), models_lib.FAMILIES[cfg.model.family]
         for group in family.layer_groups(mc):
             table = mc.contractions(group, cfg.train.seq_len)
-            assert set(family.TAGGED_NAMES) <= set(table), (spec, set(family.TAGGED_NAMES) - set(table))
-            assert planner.contraction(mc, group, "attention_out", 64) == 32
+            tagged = set(family.tagged_names(mc))
+            assert tagged <= set(table), (spec, tagged - set(table))
+            assert costs_lib.contraction(mc, group, "attention_out", 64) == 32
 
     class Partial:
         def contractions(self, model_group, seq_len):
             return {"query_proj": 8}
 
-    assert planner.contraction(Partial(), "decoder", "query_proj", 64) == 8
-    with pytest.raises(planner.PlanError, match="tags 'mlpwo' but its recompute-cost table"):
-        planner.contraction(Partial(), "decoder", "mlpwo", 64)
+    assert costs_lib.contraction(Partial(), "decoder", "query_proj", 64) == 8
+    with pytest.raises(PlanError, match="tags 'mlpwo' but its recompute-cost table"):
+        costs_lib.contraction(Partial(), "decoder", "mlpwo", 64)

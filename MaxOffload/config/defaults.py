@@ -46,50 +46,19 @@ SCHEMA = {
         "load_params_from": ("", "initialise the parameters from another run's checkpoint (run dir, its "
                                  "checkpoints/ or one step dir); ignored when resuming"),
     },
+    # The keys every family shares; each family adds its own (models.register joins them: see full_schema()).
     "model": {
         "family": ("llama", "model family: llama | deepseek"),
         "vocab_size": (512, "vocabulary size (embedding rows); must cover the tokenizer"),
         "emb_dim": (256, "model width d_model"),
         "num_layers": (4, "number of decoder layers"),
         "num_heads": (8, "query heads"),
-        "num_kv_heads": (4, "llama: key/value heads (grouped-query attention); divides num_heads"),
-        "head_dim": (32, "llama: dimension per attention head"),
         "mlp_dim": (704, "hidden size of the SwiGLU MLP (deepseek: of the dense layers)"),
         "norm_eps": (1e-5, "RMSNorm epsilon"),
         "rope_theta": (10000.0, "RoPE base frequency"),
         "rope_scaling": ("none", "RoPE frequency scaling: none | llama3 (Llama 3.1) | yarn (DeepSeek-V3)"),
         "rope_factor": (8.0, "llama3 scaling: factor for low frequencies; yarn: context extension factor"),
-        "rope_low_freq_factor": (1.0, "llama3 scaling: low_freq_factor"),
-        "rope_high_freq_factor": (4.0, "llama3 scaling: high_freq_factor"),
         "rope_original_max_len": (8192, "llama3 / yarn scaling: original context length"),
-        "rope_beta_fast": (32.0, "yarn: frequencies turning more often than this within the original context "
-                                 "are kept"),
-        "rope_beta_slow": (1.0, "yarn: frequencies turning less often than this are divided by rope_factor"),
-        "rope_mscale": (1.0, "yarn: mscale (the rotated parts are scaled by mscale(factor, rope_mscale) / "
-                             "mscale(factor, rope_mscale_all_dim))"),
-        "rope_mscale_all_dim": (1.0, "yarn: the softmax scale is multiplied by (0.1 * rope_mscale_all_dim * "
-                                     "ln(rope_factor) + 1)^2"),
-        # DeepSeek: Multi-head Latent Attention
-        "q_lora_rank": (64, "deepseek MLA: rank of the query down-projection (the q latent)"),
-        "kv_lora_rank": (32, "deepseek MLA: rank of the key/value down-projection (the kv latent)"),
-        "qk_nope_head_dim": (32, "deepseek MLA: per-head query/key dimension without RoPE"),
-        "qk_rope_head_dim": (16, "deepseek MLA: per-head query/key dimension with RoPE (the key part is shared "
-                                 "by all heads)"),
-        "v_head_dim": (32, "deepseek MLA: per-head value dimension"),
-        # DeepSeek: MoE
-        "first_k_dense": (1, "deepseek: the first k layers are dense (SwiGLU of mlp_dim), the rest MoE"),
-        "num_experts": (8, "deepseek: routed experts per MoE layer"),
-        "num_experts_per_tok": (2, "deepseek: routed experts each token is sent to (top-k)"),
-        "num_shared_experts": (1, "deepseek: shared experts every token passes through"),
-        "moe_mlp_dim": (128, "deepseek: hidden size of each routed and shared expert"),
-        "n_groups": (1, "deepseek: expert groups for group-limited routing (1 = no grouping)"),
-        "topk_groups": (1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores"),
-        "routed_scaling_factor": (1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by this"),
-        "router_bias_update_rate": (0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each step "
-                                           "bias += gamma * sign(mean load - load)"),
-        "seq_balance_loss_weight": (0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)"),
-        "capacity_factor": (0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * seq_len "
-                                 "* top_k / num_experts) tokens per sequence, later ones are dropped"),
         "tie_embeddings": (False, "share the token embedding with the output projection"),
         "param_dtype": ("float32", "parameter (and optimizer state) dtype: float32 | bfloat16"),
         "compute_dtype": ("bfloat16", "matmul/activation dtype: float32 | bfloat16"),
@@ -226,9 +195,21 @@ def _build(schema):
     return cfg
 
 
+def full_schema():
+    """SCHEMA with cfg.model = the shared keys + every registered family's own (MaxOffload.models.FAMILIES)."""
+    from MaxOffload import models
+
+    model = dict(SCHEMA["model"], family=("llama", f"model family: {' | '.join(models.FAMILIES)}"))
+    for name, family in models.FAMILIES.items():
+        for key, spec in family.fields.items():
+            if model.setdefault(key, spec)[0] != spec[0]:
+                raise ValueError(f"model family {name!r}: model.{key} exists with the default {model[key][0]!r}")
+    return dict(SCHEMA, model=model)
+
+
 def get_config():
     """The defaults as a locked ConfigDict: config files may change values, not invent keys."""
-    cfg = _build(SCHEMA)
+    cfg = _build(full_schema())
     cfg.lock()
     return cfg
 
@@ -236,7 +217,7 @@ def get_config():
 def docs(schema=None, prefix=""):
     """[(dotted key, default, meaning)] for --help and the README."""
     if schema is None:
-        return docs(SCHEMA) + docs(GROUP, "remat.groups.NAME.")
+        return docs(full_schema()) + docs(GROUP, "remat.groups.NAME.")
     rows = []
     for key, spec in schema.items():
         if isinstance(spec, dict):

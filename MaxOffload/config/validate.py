@@ -5,7 +5,7 @@ import re
 
 from MaxOffload.config import defaults
 from MaxOffload.config.defaults import flat_keys, get_path
-from MaxOffload.errors import ConfigError, suggest
+from MaxOffload.errors import ConfigError, require as _require, require_choice as _choice, suggest
 from MaxOffload.offload import policy
 
 DTYPES = ("float32", "bfloat16")
@@ -40,26 +40,18 @@ def _check_keys_and_types(cfg, reference=None, prefix=""):
             raise ConfigError(f"{prefix + key} must be {want.__name__}, got {type(value).__name__} {value!r}")
 
 
-def _require(ok, message):
-    if not ok:
-        raise ConfigError(message)
-
-
 def _positive(cfg, *keys):
     for key in keys:
         _require(_get(cfg, key) > 0, f"{key} must be > 0, got {_get(cfg, key)}")
 
 
-def _choice(key, value, choices):
-    _require(value in choices, f"{key}={value!r} is not one of {', '.join(choices)}{suggest(value, choices)}")
-
-
 def _check_tensors(prefix, tensors, family, tagged):
+    """tagged(): the names the family's model tags (traced, so only asked for when a tensor is set)."""
     for name, decision in tensors.items():
         if decision:
             _choice(f"{prefix}.{name}", decision, policy.DECISIONS)
-            _require(name in tagged, f"{prefix}.{name}={decision}: the {family} model never tags {name!r}, "
-                                     f"so the setting would do nothing; it tags: {', '.join(tagged)}")
+            _require(name in tagged(), f"{prefix}.{name}={decision}: the {family} model never tags {name!r}, "
+                                       f"so the setting would do nothing; it tags: {', '.join(tagged())}")
 
 
 def _validate_remat(cfg):
@@ -67,7 +59,11 @@ def _validate_remat(cfg):
     from MaxOffload.offload import segments
 
     family = cfg.model.family
-    tagged = models.FAMILIES[family].TAGGED_NAMES
+    config = models.model_config(cfg)
+
+    def tagged():
+        return models.tagged_names(config)
+
     _choice("remat.policy", cfg.remat.policy, policy.ACCEPTED)
     _check_tensors("remat.tensors", cfg.remat.tensors, family, tagged)
     remat = cfg.remat
@@ -87,49 +83,6 @@ def _validate_remat(cfg):
             _choice(f"{prefix}.policy", group.policy, tuple(policy.PRESETS))
         _check_tensors(f"{prefix}.tensors", group.tensors, family, tagged)
     segments.layer_segments(remat, models.layer_groups(cfg))  # ranges: in bounds, disjoint
-
-
-def _validate_llama(cfg):
-    model = cfg.model
-    _positive(cfg, "model.num_kv_heads", "model.head_dim")
-    _require(model.num_heads % model.num_kv_heads == 0,
-             f"model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads}")
-    _require(model.head_dim % 2 == 0, f"model.head_dim={model.head_dim} must be even for RoPE")
-    _choice("model.rope_scaling", model.rope_scaling, ("none", "llama3"))
-    if model.rope_scaling == "llama3":
-        _require(model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {model.rope_factor}")
-        _require(0 < model.rope_low_freq_factor < model.rope_high_freq_factor,
-                 "model.rope_low_freq_factor must be > 0 and below model.rope_high_freq_factor")
-        _positive(cfg, "model.rope_original_max_len")
-
-
-def _validate_deepseek(cfg):
-    model = cfg.model
-    _positive(cfg, "model.q_lora_rank", "model.kv_lora_rank", "model.qk_nope_head_dim", "model.qk_rope_head_dim",
-              "model.v_head_dim", "model.num_experts", "model.num_experts_per_tok", "model.moe_mlp_dim",
-              "model.n_groups", "model.topk_groups", "model.routed_scaling_factor")
-    _require(model.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={model.qk_rope_head_dim} must be even for RoPE")
-    _require(0 <= model.first_k_dense <= model.num_layers,
-             f"model.first_k_dense={model.first_k_dense} must be in [0, model.num_layers={model.num_layers}]")
-    for key in ("model.num_shared_experts", "model.router_bias_update_rate", "model.seq_balance_loss_weight",
-                "model.capacity_factor"):
-        _require(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
-    experts, top_k, groups, topk_groups = (model.num_experts, model.num_experts_per_tok, model.n_groups,
-                                           model.topk_groups)
-    _require(top_k <= experts, f"model.num_experts_per_tok={top_k} exceeds model.num_experts={experts}")
-    _require(experts % groups == 0, f"model.num_experts={experts} is not divisible by model.n_groups={groups}")
-    _require(topk_groups <= groups, f"model.topk_groups={topk_groups} exceeds model.n_groups={groups}")
-    _require(top_k <= topk_groups * (experts // groups),
-             f"model.num_experts_per_tok={top_k} exceeds the {topk_groups * (experts // groups)} experts in "
-             f"model.topk_groups={topk_groups} groups of {experts // groups}; raise topk_groups")
-    _choice("model.rope_scaling", model.rope_scaling, ("none", "yarn"))
-    if model.rope_scaling == "yarn":
-        _require(model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {model.rope_factor}")
-        _require(0 < model.rope_beta_slow < model.rope_beta_fast,
-                 "model.rope_beta_slow must be > 0 and below model.rope_beta_fast")
-        _positive(cfg, "model.rope_original_max_len")
-        for key in ("model.rope_mscale", "model.rope_mscale_all_dim"):
-            _require(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
 
 
 def validate(cfg):
@@ -165,10 +118,7 @@ def validate(cfg):
               "model.norm_eps", "model.rope_theta", "model.init_std")
     _choice("model.param_dtype", model.param_dtype, DTYPES)
     _choice("model.compute_dtype", model.compute_dtype, DTYPES)
-    if model.family == "deepseek":
-        _validate_deepseek(cfg)
-    else:
-        _validate_llama(cfg)
+    models.model_config(cfg).validate()  # the family's own checks
 
     _validate_remat(cfg)
     from MaxOffload.parallel.logical import MESH_AXES

@@ -1,17 +1,47 @@
-"""Model families and the one place a model configuration + an OffloadPlan become a model."""
-import collections
+"""Model families: the registry, and the one place a model configuration + an OffloadPlan become a model.
+
+A family is
+  - a frozen config dataclass (models/base.FromConfig): its fields, `validate()` (the family's own checks,
+    one ConfigError line each), `layer_groups()` (its separately scanned stacks) and the planner's cost
+    table (`contractions`, `matmul_params_per_token`, `attention_dims`);
+  - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, experts=);
+  - `fields`: its own cfg.model keys {key: (default, meaning)} (the keys every family shares are in
+    config/defaults.py), joined to the config schema by `register`.
+The names a family tags are read from its traced forward pass (`Family.tagged_names`), never kept by hand.
+Adding a family is one `register` call: nothing else under MaxOffload/ changes (tests/test_family.py).
+"""
+import dataclasses
+import functools
 
 from MaxOffload.models import deepseek, llama
 
-# layer_groups(model_config) -> {name: (start, stop)}: the model's separately scanned stacks.
-Family = collections.namedtuple("Family", "config_class model_class TAGGED_NAMES PRESETS layer_groups")
 
-FAMILIES = {
-    "llama": Family(llama.LlamaConfig, llama.Llama, llama.TAGGED_NAMES, llama.PRESETS,
-                    lambda c: {"decoder": (0, c.num_layers)}),
-    "deepseek": Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.TAGGED_NAMES, deepseek.PRESETS,
-                       deepseek.layer_groups),
-}
+@dataclasses.dataclass(frozen=True)
+class Family:
+    config_class: type
+    model_class: type
+    fields: dict = dataclasses.field(default_factory=dict)
+
+    def layer_groups(self, config):
+        """{name: (start, stop)}: the model's separately scanned stacks, global layer ranges."""
+        return config.layer_groups()
+
+    def tagged_names(self, config):
+        """The vocabulary names this family's model tags under `config`, in the order the forward pass tags them."""
+        return tagged_names(config)
+
+
+FAMILIES = {}
+
+
+def register(name, family):
+    """Adds a family under model.family=`name`; its own config keys join cfg.model (config/defaults.py
+    full_schema: a key another family or the shared section has must keep its default)."""
+    FAMILIES[name] = family
+
+
+register("llama", Family(llama.LlamaConfig, llama.Llama, llama.FIELDS))
+register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.FIELDS))
 
 
 def model_config(cfg):
@@ -20,7 +50,7 @@ def model_config(cfg):
 
 
 def layer_groups(cfg):
-    return FAMILIES[cfg.model.family].layer_groups(model_config(cfg))
+    return model_config(cfg).layer_groups()
 
 
 def family_of(config):
@@ -33,3 +63,21 @@ def build(config, plan, rngs, experts=None):
     the parallel/expert.ExpertLayout its MoE layers exchange tokens over (None: every expert local)."""
     return family_of(config).model_class(config, remat_segments=plan.by_stack(), params_on_host=plan.params_on_host,
                                          rngs=rngs, experts=experts)
+
+
+@functools.lru_cache(maxsize=None)
+def tagged_names(config):
+    """The vocabulary names the model of `config` tags, read off the jaxpr of its forward pass (traced with
+    abstract parameters under full remat: nothing is allocated, compiled or run, and no backend starts)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from MaxOffload.offload import names, segments
+    from MaxOffload.offload.plan import OffloadPlan
+
+    plan = OffloadPlan(tuple(segments.uniform("full", config.layer_groups())))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config, plan, nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+    return tuple(n for n in names.traced(jaxpr.jaxpr) if n in names.VOCABULARY)

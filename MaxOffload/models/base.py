@@ -1,6 +1,8 @@
 """What every model family's frozen config dataclass shares."""
 import dataclasses
 
+from MaxOffload.errors import require
+
 
 class FromConfig:
     """Mixin for a family's frozen dataclass: built from the cfg.model section (config read at the edge)."""
@@ -8,3 +10,19 @@ class FromConfig:
     @classmethod
     def from_config(cls, model_cfg):
         return cls(**{f.name: model_cfg[f.name] for f in dataclasses.fields(cls)})
+
+    def validate(self):
+        """The family's own checks of its fields: raise errors.ConfigError (one line naming model.KEY and the
+        fix) on the first problem. The shared keys (sizes > 0, dtypes) are checked by config/validate.py."""
+
+    def layer_groups(self):
+        """{name: (start, stop)}: the separately scanned stacks (remat.groups can name them); one by default."""
+        return {"decoder": (0, self.num_layers)}
+
+    def require_positive(self, *fields):
+        for f in fields:
+            require(getattr(self, f) > 0, f"model.{f} must be > 0, got {getattr(self, f)}")
+
+    def require_non_negative(self, *fields):
+        for f in fields:
+            require(getattr(self, f) >= 0, f"model.{f} must be >= 0, got {getattr(self, f)}")

@@ -2,6 +2,10 @@
 (models/moe.py), the first `first_k_dense` layers dense. The dense and the MoE layers are two
 separately scanned stacks, the model groups "dense" and "moe" of remat.groups.
 
+Tagged names: the shared expert is a dense MLP every token passes through, so it tags mlpwi_0/mlpwi_1/mlpwo
+like the dense layers' MLP; the moe_* names are the routed experts only, which is what a policy usually wants
+to treat differently (offloaded in the JAX-Toolbox recipe).
+
 The multi-token-prediction (MTP) module of the paper is not part of this model.
 """
 import dataclasses
@@ -12,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from MaxOffload.errors import require, require_choice
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, causal_attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
@@ -20,12 +25,37 @@ from MaxOffload.models.moe import MoE, RouterBias, updated_bias
 from MaxOffload.offload import names
 from MaxOffload.parallel.logical import constrain
 
-# Every name this family tags. The shared expert is a dense MLP that every token passes through, so it
-# tags mlpwi_0/mlpwi_1/mlpwo like the dense layers' MLP; the moe_* names are the routed experts only,
-# which is what a policy usually wants to treat differently (offloaded in the JAX-Toolbox recipe).
-TAGGED_NAMES = (names.DECODER_LAYER_INPUT, names.QUERY_WA_PROJ, names.KV_WA_PROJ, names.MLA_Q, names.MLA_KV,
-                names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ, names.ATTENTION_OUT, names.OUT_PROJ,
-                names.MLPWI_0, names.MLPWI_1, names.MLPWO, names.MOE_MLPWI_0, names.MOE_MLPWI_1, names.MOE_MLPWO)
+# The family's own cfg.model keys (the shared ones are in config/defaults.py).
+FIELDS = {
+    "rope_beta_fast": (32.0, "yarn: frequencies turning more often than this within the original context "
+                             "are kept"),
+    "rope_beta_slow": (1.0, "yarn: frequencies turning less often than this are divided by rope_factor"),
+    "rope_mscale": (1.0, "yarn: mscale (the rotated parts are scaled by mscale(factor, rope_mscale) / "
+                         "mscale(factor, rope_mscale_all_dim))"),
+    "rope_mscale_all_dim": (1.0, "yarn: the softmax scale is multiplied by (0.1 * rope_mscale_all_dim * "
+                                 "ln(rope_factor) + 1)^2"),
+    # Multi-head Latent Attention
+    "q_lora_rank": (64, "deepseek MLA: rank of the query down-projection (the q latent)"),
+    "kv_lora_rank": (32, "deepseek MLA: rank of the key/value down-projection (the kv latent)"),
+    "qk_nope_head_dim": (32, "deepseek MLA: per-head query/key dimension without RoPE"),
+    "qk_rope_head_dim": (16, "deepseek MLA: per-head query/key dimension with RoPE (the key part is shared "
+                             "by all heads)"),
+    "v_head_dim": (32, "deepseek MLA: per-head value dimension"),
+    # MoE
+    "first_k_dense": (1, "deepseek: the first k layers are dense (SwiGLU of mlp_dim), the rest MoE"),
+    "num_experts": (8, "deepseek: routed experts per MoE layer"),
+    "num_experts_per_tok": (2, "deepseek: routed experts each token is sent to (top-k)"),
+    "num_shared_experts": (1, "deepseek: shared experts every token passes through"),
+    "moe_mlp_dim": (128, "deepseek: hidden size of each routed and shared expert"),
+    "n_groups": (1, "deepseek: expert groups for group-limited routing (1 = no grouping)"),
+    "topk_groups": (1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores"),
+    "routed_scaling_factor": (1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by this"),
+    "router_bias_update_rate": (0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each step "
+                                       "bias += gamma * sign(mean load - load)"),
+    "seq_balance_loss_weight": (0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)"),
+    "capacity_factor": (0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * seq_len "
+                             "* top_k / num_experts) tokens per sequence, later ones are dropped"),
+}
 
 # Per-layer MoE metrics (moe/max_load_layerN, ...) for models with at most this many MoE layers.
 PER_LAYER_METRICS_UP_TO = 8
@@ -98,6 +128,36 @@ class DeepSeekConfig(FromConfig):
     def num_moe_layers(self):
         return self.num_layers - self.first_k_dense
 
+    def layer_groups(self):
+        """The dense and the MoE layers: two separately scanned stacks (an empty one is left out)."""
+        groups = {"dense": (0, self.first_k_dense), "moe": (self.first_k_dense, self.num_layers)}
+        return {name: (start, stop) for name, (start, stop) in groups.items() if stop > start}
+
+    def validate(self):
+        self.require_positive("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                              "num_experts", "num_experts_per_tok", "moe_mlp_dim", "n_groups", "topk_groups",
+                              "routed_scaling_factor")
+        require(self.qk_rope_head_dim % 2 == 0,
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+        require(0 <= self.first_k_dense <= self.num_layers,
+                f"model.first_k_dense={self.first_k_dense} must be in [0, model.num_layers={self.num_layers}]")
+        self.require_non_negative("num_shared_experts", "router_bias_update_rate", "seq_balance_loss_weight",
+                                  "capacity_factor")
+        experts, top_k, groups, topk_groups = self.num_experts, self.num_experts_per_tok, self.n_groups, self.topk_groups
+        require(top_k <= experts, f"model.num_experts_per_tok={top_k} exceeds model.num_experts={experts}")
+        require(experts % groups == 0, f"model.num_experts={experts} is not divisible by model.n_groups={groups}")
+        require(topk_groups <= groups, f"model.topk_groups={topk_groups} exceeds model.n_groups={groups}")
+        require(top_k <= topk_groups * (experts // groups),
+                f"model.num_experts_per_tok={top_k} exceeds the {topk_groups * (experts // groups)} experts in "
+                f"model.topk_groups={topk_groups} groups of {experts // groups}; raise topk_groups")
+        require_choice("model.rope_scaling", self.rope_scaling, ("none", "yarn"))
+        if self.rope_scaling == "yarn":
+            require(self.rope_factor >= 1, f"model.rope_factor must be >= 1, got {self.rope_factor}")
+            require(0 < self.rope_beta_slow < self.rope_beta_fast,
+                    "model.rope_beta_slow must be > 0 and below model.rope_beta_fast")
+            self.require_positive("rope_original_max_len")
+            self.require_non_negative("rope_mscale", "rope_mscale_all_dim")
+
     def matmul_params_per_token(self):
         """Weights each token multiplies by: MLA projections, the dense MLPs, and per MoE layer the router,
         the top-k routed experts and the shared experts; plus the unembedding (embedding lookup excluded)."""
@@ -125,12 +185,6 @@ class DeepSeekConfig(FromConfig):
     def attention_dims(self):
         """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs; qk_dim = nope + rope."""
         return self.num_layers, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
-
-
-def layer_groups(c):
-    """The separately scanned stacks, global layer ranges (an empty stack is left out)."""
-    groups = {"dense": (0, c.first_k_dense), "moe": (c.first_k_dense, c.num_layers)}
-    return {name: (start, stop) for name, (start, stop) in groups.items() if stop > start}
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,15 +4,20 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxOffload.errors import require, require_choice
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import Attention, RMSNorm, SwiGLU
 from MaxOffload.models.rope import rope_inv_freq
 from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
 from MaxOffload.offload import names
 
-# Every name this family tags; the config validator and a test hold it to that.
-TAGGED_NAMES = (names.DECODER_LAYER_INPUT, names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ,
-                names.ATTENTION_OUT, names.OUT_PROJ, names.MLPWI_0, names.MLPWI_1, names.MLPWO)
+# The family's own cfg.model keys (the shared ones are in config/defaults.py).
+FIELDS = {
+    "num_kv_heads": (4, "llama: key/value heads (grouped-query attention); divides num_heads"),
+    "head_dim": (32, "llama: dimension per attention head"),
+    "rope_low_freq_factor": (1.0, "llama3 scaling: low_freq_factor"),
+    "rope_high_freq_factor": (4.0, "llama3 scaling: high_freq_factor"),
+}
 
 _LLAMA3_1 = dict(vocab_size=128256, head_dim=128, norm_eps=1e-5, rope_theta=500000.0, rope_scaling="llama3",
                  rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
@@ -52,6 +57,18 @@ class LlamaConfig(FromConfig):
     compute_dtype: str = "bfloat16"
     scan_layers: bool = True
     init_std: float = 0.02
+
+    def validate(self):
+        self.require_positive("num_kv_heads", "head_dim")
+        require(self.num_heads % self.num_kv_heads == 0,
+                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+        require(self.head_dim % 2 == 0, f"model.head_dim={self.head_dim} must be even for RoPE")
+        require_choice("model.rope_scaling", self.rope_scaling, ("none", "llama3"))
+        if self.rope_scaling == "llama3":
+            require(self.rope_factor >= 1, f"model.rope_factor must be >= 1, got {self.rope_factor}")
+            require(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                    "model.rope_low_freq_factor must be > 0 and below model.rope_high_freq_factor")
+            self.require_positive("rope_original_max_len")
 
     def matmul_params_per_token(self):
         """Weights each token multiplies by: the FLOP-bearing parameters (embedding lookup excluded)."""

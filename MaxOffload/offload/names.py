@@ -84,3 +84,28 @@ def tag(x, name):
     if name not in VOCABULARY:
         raise KeyError(f"{name!r} is not in the offload vocabulary")
     return checkpoint_name(x, name)
+
+
+def sub_jaxprs(eqn):
+    """The jaxprs nested in one equation (scan, remat, pjit, cond ... bodies)."""
+    for param in eqn.params.values():
+        for item in param if isinstance(param, (list, tuple)) else (param,):
+            if hasattr(item, "jaxpr") and hasattr(item, "consts"):
+                yield item.jaxpr
+            elif hasattr(item, "eqns"):
+                yield item
+
+
+def traced(jaxpr):
+    """The names `tag` put in a jaxpr, each once, in the order they are first tagged (nested bodies too)."""
+    found = {}
+
+    def walk(body):
+        for eqn in body.eqns:
+            if eqn.primitive.name == "name":
+                found.setdefault(eqn.params["name"], None)
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
+
+    walk(jaxpr)
+    return tuple(found)

@@ -17,15 +17,6 @@ _PLACEMENT = re.compile(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_plac
 _HLO_DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16", "f64": "float64", "i32": "int32"}
 
 
-def _sub_jaxprs(eqn):
-    for param in eqn.params.values():
-        for item in param if isinstance(param, (list, tuple)) else (param,):
-            if hasattr(item, "jaxpr") and hasattr(item, "consts"):
-                yield item.jaxpr
-            elif hasattr(item, "eqns"):
-                yield item
-
-
 def _is_host_put(eqn):
     return eqn.primitive.name == "device_put" and any("Host" in str(d) for d in eqn.params.get("devices", ()))
 
@@ -73,7 +64,7 @@ def classify_residuals(closed_jaxpr):
                 kind, aval = found[label].get(name, ("unused", eqn.outvars[0].aval))
                 if kind == "unused":
                     found[label][name] = ("remat", aval)
-            for sub in _sub_jaxprs(eqn):
+            for sub in names.sub_jaxprs(eqn):
                 recomputed(sub, label)
 
     scans = []
@@ -84,7 +75,7 @@ def classify_residuals(closed_jaxpr):
             if eqn.primitive.name == "scan" and _SEGMENT.search(here):
                 scans.append((eqn, here))
             else:
-                for sub in _sub_jaxprs(eqn):
+                for sub in names.sub_jaxprs(eqn):
                     walk(sub, here)
 
     walk(closed_jaxpr.jaxpr, "")
@@ -140,6 +131,7 @@ def activation_groups(cfg, setup):
     with logical.activate(setup.mesh, setup.rules):
         jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     found = classify_residuals(jaxpr)
+    tagged = models.tagged_names(setup.model_config)
     groups, problems, expected_placements = {}, [], []
     for segment in setup.plan.segments:
         requested = dict(segment.decisions)
@@ -161,7 +153,7 @@ def activation_groups(cfg, setup):
                                 + (" (the layer input is the scan carry; a host copy that is also kept in HBM "
                                    "saves nothing, cf. jax#23869)" if name in names.ALWAYS_KEPT else ""))
         for name, want in requested.items():
-            if want != "remat" and name not in seen and name in models.FAMILIES[cfg.model.family].TAGGED_NAMES:
+            if want != "remat" and name not in seen and name in tagged:
                 entry["missing"].append(name)  # e.g. moe_* in DeepSeek's dense layers: fine if tagged elsewhere
                 if not any(name in other for other in found.values()):
                     problems.append(f"{segment.label}: {name} requested {want} but the step never tags it")
