@@ -11,14 +11,18 @@ as train.py — same model, policies, mesh and XLA preset — for compile-only d
 by MaxOffload/hardware.py, and reports per device: argument bytes (parameters + optimizer
 state + batch), temporaries, output, the HBM total against the device's capacity (with the
 launch.mem_fraction headroom) and a fits / does-not-fit verdict, host bytes (offloaded
-activations and host-resident state), the offloaded tensors and the compile time. Writes
+activations and host-resident state), the offloaded tensors and the compile time, and the compiled-work
+audit (MaxOffload/audit.py): the matmul FLOPs the optimized program executes per part of the model against
+its model FLOPs, with a WARNING for a part over its share or a ragged_dot lowered to a dense dot. Writes
 <run.output_dir>/aot_report.json. Exit status 0 fits, 1 does not fit, 2 bad input.
 """
 import os
 import sys
 import time
 
+from MaxOffload import audit
 from MaxOffload.cli import tool
+from MaxOffload.memory import compiled_bytes
 from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing, require_plugin  # noqa: F401  (re-exported)
 
 
@@ -37,9 +41,8 @@ def build_report(cfg, plan, target, topology):
     compiled = setup.lower_train_step().compile()
     compile_time = time.perf_counter() - started
     m = compiled.memory_analysis()
-    hbm = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes + \
-        m.host_temp_size_in_bytes
+    hbm, host = compiled_bytes(m)
+    work = audit.of_compiled(compiled, setup)
     usable = int(accelerator.hbm_bytes * cfg.launch.mem_fraction)
     host_usable = int(accelerator.host_ram_per_gpu * HOST_USABLE)
     return {
@@ -58,7 +61,9 @@ def build_report(cfg, plan, target, topology):
         "offloaded": {label: g["offloaded"] for label, g in groups.items()},
         "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
         "problems": problems, "compile_time_s": compile_time,
-        "warnings": [w for w in [xla_bugs.affects(plan, "gpu")] if w],
+        "compiled_work": work,
+        "warnings": [w for w in [xla_bugs.affects(plan, "gpu")] if w] + [f"compiled work: {w}" for w in
+                                                                         work["warnings"]],
     }
 
 
@@ -83,6 +88,8 @@ def format_report(r):
              f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}"]
     for label, names in r["offloaded"].items():
         lines.append(f"  {label}: offloaded {', '.join(names) or '-'}")
+    if r.get("compiled_work"):
+        lines += [line for line in audit.format_audit(r["compiled_work"]) if not line.startswith("WARNING")]
     if r["problems"]:
         lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))
     lines += [f"WARNING: {w}" for w in r.get("warnings", [])]

@@ -72,11 +72,11 @@ else:
     step_s = sorted(times)[len(times) // 2]
     n = setup.mesh.size
     f = flops.train_flops_per_step(models.model_config(cfg), cfg.train.per_device_batch_size * n, cfg.train.seq_len)
-    mem = compiled.memory_analysis()
+    from MaxOffload.memory import compiled_bytes
+    hbm, host = compiled_bytes(compiled.memory_analysis())
     stats = jax.devices()[0].memory_stats() or {}
     row.update(mode=jax.devices()[0].platform, step_s=step_s, tflops_per_device=f / n / step_s / 1e12,
-               hbm_gib=(stats.get("peak_bytes_in_use") or mem.temp_size_in_bytes + mem.argument_size_in_bytes) / 2**30,
-               host_gib=mem.host_temp_size_in_bytes / 2**30, measured=True)
+               hbm_gib=(stats.get("peak_bytes_in_use") or hbm) / 2**30, host_gib=host / 2**30, measured=True)
 row["policy"] = cfg.remat.policy
 print("ROW " + json.dumps(row))
 """

@@ -34,6 +34,22 @@ def test_report_has_the_promised_fields(reports):
     assert r["argument_bytes_per_device"] >= r["state_bytes_per_device"] > 0
 
 
+def test_the_compiled_work_audit_reads_the_step(reports):
+    """The optimized GB200 step's matmul FLOPs against the model FLOPs, per part: save_all does the model's
+    work (the whole causal score matrix aside: 2x by construction), full remat adds the recomputed forward."""
+    save_all, full = reports["save_all"]["compiled_work"], reports["full"]["compiled_work"]
+    assert 1.0 <= save_all["ratio"] <= 1.15 and save_all["recompute_flops"] == 0, save_all
+    assert 1.25 <= full["ratio"] <= 1.45 and full["recompute_flops"] > 0, full
+    assert full["compiled_matmul_flops"] == pytest.approx(save_all["compiled_matmul_flops"] + full["recompute_flops"],
+                                                          rel=0.02)
+    parts = save_all["components"]
+    assert set(parts) == {"projections", "mlp", "attention_scores", "unembed"}, parts
+    assert parts["attention_scores"]["ratio"] == pytest.approx(2.0, rel=0.01)
+    for name in ("projections", "unembed", "mlp"):
+        assert parts[name]["ratio"] == pytest.approx(1.0, abs=0.05), (name, parts[name])
+    assert save_all["warnings"] == [] and save_all["dense_ragged_dots"] == 0 and save_all["unknown_trip_counts"] == []
+
+
 def test_host_bytes_only_when_offloading(reports):
     assert reports["full"]["host_bytes_per_device"] == 0
     assert reports["save_all"]["host_bytes_per_device"] == 0

@@ -19,6 +19,15 @@ class FromConfig:
         """{name: (start, stop)}: the separately scanned stacks (remat.groups can name them); one by default."""
         return {"decoder": (0, self.num_layers)}
 
+    def matmul_params_by_component(self):
+        """{models/components part: weights each token multiplies by} (embedding lookup excluded): the model
+        FLOPs the compiled-work audit (MaxOffload/audit.py) holds each part of the compiled step to."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its matmul parameters by component")
+
+    def matmul_params_per_token(self):
+        """Weights each token multiplies by: the FLOP-bearing parameters (embedding lookup excluded)."""
+        return sum(self.matmul_params_by_component().values())
+
     def require_positive(self, *fields):
         for f in fields:
             require(getattr(self, f) > 0, f"model.{f} must be > 0, got {getattr(self, f)}")

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from MaxOffload.errors import require, require_choice
+from MaxOffload.models import components
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, causal_attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
@@ -158,18 +159,23 @@ class DeepSeekConfig(FromConfig):
             self.require_positive("rope_original_max_len")
             self.require_non_negative("rope_mscale", "rope_mscale_all_dim")
 
-    def matmul_params_per_token(self):
-        """Weights each token multiplies by: MLA projections, the dense MLPs, and per MoE layer the router,
-        the top-k routed experts and the shared experts; plus the unembedding (embedding lookup excluded)."""
+    def matmul_params_by_component(self):
+        """Weights each token multiplies by, per models/components part: MLA projections, the dense MLPs and
+        the shared experts, per MoE layer the router and the top-k routed experts; the unembedding (the
+        embedding lookup excluded)."""
         d, heads, rope = self.emb_dim, self.num_heads, self.qk_rope_head_dim
         qk = self.qk_nope_head_dim + rope
         mla = (d * self.q_lora_rank + self.q_lora_rank * heads * qk  # q down, q up
                + d * (self.kv_lora_rank + rope)  # kv down + the shared rope key
                + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # k_nope, v up
                + heads * self.v_head_dim * d)  # output
-        moe = d * self.num_experts + 3 * d * self.moe_mlp_dim * (self.num_experts_per_tok + self.num_shared_experts)
-        return (self.num_layers * mla + self.first_k_dense * 3 * d * self.mlp_dim + self.num_moe_layers * moe
-                + d * self.vocab_size)
+        moe_layers = self.num_moe_layers
+        return {components.PROJECTIONS: self.num_layers * mla,
+                components.MLP: (self.first_k_dense * 3 * d * self.mlp_dim
+                                 + moe_layers * 3 * d * self.moe_mlp_dim * self.num_shared_experts),
+                components.ROUTER: moe_layers * d * self.num_experts,
+                components.EXPERTS: moe_layers * 3 * d * self.moe_mlp_dim * self.num_experts_per_tok,
+                components.UNEMBED: d * self.vocab_size}
 
     def contractions(self, model_group, seq_len):
         """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul,
@@ -236,6 +242,7 @@ class MLA(nnx.Module):
         x = apply_rope(x, positions, jnp.asarray(self.inv_freq, jnp.float32))
         return x if self.rope_amplitude == 1.0 else x * self.rope_amplitude
 
+    @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
         cdt, nope = self.compute_dtype, self.nope
         q_latent = names.tag(x @ self.wq_a[...].astype(cdt), names.QUERY_WA_PROJ)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxOffload.models import components
 from MaxOffload.models.rope import apply_rope, rope_inv_freq  # noqa: F401  (re-exported)
 from MaxOffload.offload import names
 from MaxOffload.parallel.logical import constrain
@@ -33,6 +34,7 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+@components.scoped(components.ATTENTION_SCORES)
 def causal_attention(q, k, v, scale=None, chunk=1024):
     """Causal grouped-query attention without repeating k/v.
 
@@ -85,6 +87,7 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (num_heads, head_dim, emb_dim), ("heads", "head_dim", "embed"), param_dtype,
                         init_std)
 
+    @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
         cdt = self.compute_dtype
         q = names.tag(jnp.einsum("ble,ehd->blhd", x, self.wq[...].astype(cdt)), names.QUERY_PROJ)
@@ -105,6 +108,7 @@ class SwiGLU(nnx.Module):
         self.wi_1 = param(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), param_dtype, init_std)
         self.wo = param(rngs, (mlp_dim, emb_dim), ("mlp", "embed"), param_dtype, init_std)
 
+    @components.scoped(components.MLP)
     def __call__(self, x):
         cdt = self.compute_dtype
         gate = names.tag(x @ self.wi_0[...].astype(cdt), names.MLPWI_0)

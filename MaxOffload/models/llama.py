@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxOffload.errors import require, require_choice
+from MaxOffload.models import components
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import Attention, RMSNorm, SwiGLU
 from MaxOffload.models.rope import rope_inv_freq
@@ -70,12 +71,12 @@ class LlamaConfig(FromConfig):
                     "model.rope_low_freq_factor must be > 0 and below model.rope_high_freq_factor")
             self.require_positive("rope_original_max_len")
 
-    def matmul_params_per_token(self):
-        """Weights each token multiplies by: the FLOP-bearing parameters (embedding lookup excluded)."""
+    def matmul_params_by_component(self):
+        """Weights each token multiplies by, per models/components part (embedding lookup excluded)."""
         d, hd = self.emb_dim, self.head_dim
         attention = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * d * self.mlp_dim
-        return self.num_layers * (attention + mlp) + d * self.vocab_size
+        return {components.PROJECTIONS: self.num_layers * attention,
+                components.MLP: self.num_layers * 3 * d * self.mlp_dim, components.UNEMBED: d * self.vocab_size}
 
     def attention_dims(self):
         """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs."""

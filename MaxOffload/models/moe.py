@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from MaxOffload.models import components
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, SwiGLU, param
 from MaxOffload.offload import names
 from MaxOffload.parallel import logical
@@ -59,6 +60,7 @@ def group_limited_top_k(biased, top_k, n_groups, topk_groups):
     return jax.lax.top_k(biased, top_k)[1]
 
 
+@components.scoped(components.ROUTER)
 def route(x, w_router, bias, *, top_k, n_groups, topk_groups, scaling):
     """(experts [b, l, k] int32, gates [b, l, k] float32, scores [b, l, E] float32).
 
@@ -204,6 +206,7 @@ class ExpertExchange:
         return self._run(local, (_spec(self.rows, ()), _spec(self.rows), self.tokens), self.tokens, y_rows, row, gates)
 
 
+@components.scoped(components.EXPERTS)
 def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, layout=None):
     """sum over each token's chosen experts of gate * SwiGLU_expert(x) -> [b, l, emb] float32; `layout`: the
     parallel/expert.ExpertLayout (None: every expert on this device)."""

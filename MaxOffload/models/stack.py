@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxOffload.models import components
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
 from MaxOffload.parallel.logical import constrain
 
@@ -100,6 +101,7 @@ class DecoderModel(nnx.Module):
         embed = to_device(self.embed[...], self.params_on_host)
         return constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
 
+    @components.scoped(components.UNEMBED)
     def logits(self, x, embed):
         """The final norm and the unembedding: logits [batch, length, vocab] float32."""
         c, host = self.config, self.params_on_host

@@ -51,7 +51,9 @@ import math
 import os
 import sys
 
+from MaxOffload import audit
 from MaxOffload.cli import tool
+from MaxOffload.memory import compiled_bytes
 from MaxOffload.offload.costs import (LINK_CALIBRATION, MATMUL_EFFICIENCY, OFFLOAD_STAGING_LAYERS, Candidate,
                                       cost_model, cpu_machine, gib, machine, usage, with_recompute_hbm)
 from MaxOffload.offload import names
@@ -108,11 +110,7 @@ def saved_plan(base, candidates):
 
 def compiled_memory(setup):
     """(HBM, pinned host) bytes per device of a TrainSetup's compiled step, from XLA's memory analysis."""
-    m = setup.compile_train_step().memory_analysis()
-    hbm = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    host = (m.host_argument_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
-            + m.host_temp_size_in_bytes)
-    return hbm, host
+    return compiled_bytes(setup.compile_train_step().memory_analysis())
 
 
 def plan(cfg, target=None, topology=None, confirm=True, log=print):
@@ -150,7 +148,9 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     for round_ in range(CONFIRM_ROUNDS if confirm else 0):
         variant = setup.with_plan(to_offload_plan(setup.plan, result))
         log(f"planner: confirming the plan with a compile (round {round_ + 1}) ...")
-        result.compiled_hbm, result.compiled_host = compiled_memory(variant)
+        compiled = variant.compile_train_step()
+        result.compiled_hbm, result.compiled_host = compiled_bytes(compiled.memory_analysis())
+        result.compiled_work = audit.of_compiled(compiled, variant)
         over = result.compiled_hbm - m.hbm_usable * (1 - HBM_MARGIN / 2)
         if over <= 0 and result.compiled_host <= m.host_budget:
             break
@@ -261,6 +261,8 @@ def format_plan(result):
         err = (result.hbm_bytes() - result.compiled_hbm) / result.compiled_hbm
         lines.append(f"compiled HBM per device: {gib(result.compiled_hbm)} (prediction {err:+.1%}), host "
                      f"{gib(result.compiled_host)}")
+    if result.compiled_work is not None:
+        lines += audit.format_audit(result.compiled_work)
     lines.append(f"predicted step time {result.step_time() * 1e3:,.1f} ms, "
                  f"{result.tflops_per_device():,.1f} TFLOP/s per device")
     lines.append("overrides: " + " ".join(override_lines(result)))

@@ -24,6 +24,7 @@ class Plan:
     hbm_penalty: float = 0.0  # overshoot charged after a confirm round
     compiled_hbm: float = None
     compiled_host: float = None
+    compiled_work: dict = None  # the confirming compile's audit (MaxOffload/audit.py)
     model_flops_per_device: float = 0.0
     other_s: float = 0.0  # embedding/unembedding etc.: outside the layers
 

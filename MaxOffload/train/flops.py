@@ -13,9 +13,23 @@ MFU measures the useful work of the nominal model.
 """
 
 
-def train_flops_per_step(model_config, global_batch, seq_len):
+from MaxOffload.models import components
+
+
+def attention_flops(model_config, global_batch, seq_len):
     tokens = global_batch * seq_len
     layers, heads, qk_dim, v_dim = model_config.attention_dims()
-    dense = 6 * tokens * model_config.matmul_params_per_token()
-    attention = 6 * tokens * layers * seq_len * heads * (qk_dim + v_dim) / 2
-    return dense + attention
+    return 6 * tokens * layers * seq_len * heads * (qk_dim + v_dim) / 2
+
+
+def train_flops_per_step(model_config, global_batch, seq_len):
+    dense = 6 * global_batch * seq_len * model_config.matmul_params_per_token()
+    return dense + attention_flops(model_config, global_batch, seq_len)
+
+
+def by_component(model_config, global_batch, seq_len):
+    """{models/components part: its train FLOPs per step}; they sum to train_flops_per_step."""
+    tokens = global_batch * seq_len
+    out = {part: 6 * tokens * p for part, p in model_config.matmul_params_by_component().items()}
+    out[components.ATTENTION_SCORES] = attention_flops(model_config, global_batch, seq_len)
+    return out

@@ -1,0 +1,301 @@
+"""The compiled-work audit: the matmul FLOPs a compiled step really executes, read from its optimized HLO text
+(`Compiled.as_text()`), against the model FLOPs, per part of the model.
+
+Counted, per device and step:
+  - `dot` instructions, wherever they are: at the top level, inside fusions (Triton GEMM fusions included),
+    calls and async computations; 2 x output elements x the product of the lhs contracting dimensions;
+  - while loops: their body x the trip count XLA proved (`known_trip_count`); a loop without one is counted
+    once and listed in `unknown_trip_counts`;
+  - cuBLAS GEMM custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`), from their dot dimension numbers;
+  - conditionals: the most expensive branch.
+Kernels whose FLOPs the HLO cannot show (Triton / cuDNN / Mosaic custom calls) are listed by target.
+
+Each matmul is attributed to the innermost models/components scope in its op name (attention scores,
+projections, MLP, router, routed experts, unembedding; "other" when none), and to its phase: "recompute"
+when JAX marked it `rematted_computation` (the forward redone in the backward pass), else forward/backward.
+A `dot` whose op name says `ragged_dot` is XLA's dense rewrite of a grouped matmul (its lhs expanded over
+the experts): it is listed in `dense_ragged_dots`, a WARNING on its own.
+"""
+import dataclasses
+import math
+import re
+
+from MaxOffload.models import components
+
+COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+KERNEL_HINTS = ("triton", "cudnn", "mosaic", "pallas", "cublas", "__gpu$")
+# A part may take this much more than its expected FLOPs (plus what it recomputes) before a WARNING.
+TOLERANCE = 1.15
+# The multiple of its model FLOPs a part's matmuls take by construction. The model counts half of the causal
+# score matrix (train/flops.py, MaxText's convention); attention without causal block skipping (XLA's, this
+# project's chunked one) computes all of it and masks half: 2x, which a fused causal kernel would halve.
+EXPECTED = {components.ATTENTION_SCORES: 2.0}
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str  # the result type text: "bf16[8,16]{1,0}" or a tuple "(f32[2], s8[64]{0})"
+    opcode: str
+    operands: list  # operand names
+    attributes: str  # everything after the operand list
+    op_name: str
+
+
+def _string_end(text, i):
+    """Index just past the string literal opening at text[i]."""
+    j = i + 1
+    while j < len(text) and text[j] != '"':
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
+
+
+def _balanced(text, start):
+    """Index just past the bracket group opening at text[start] (string literals skipped)."""
+    depth, i = 0, start
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            i = _string_end(text, i)
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(text)
+
+
+def _split_top(text):
+    """Splits an operand list on the commas outside brackets."""
+    parts, depth, current = [], 0, []
+    for c in text:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    if "".join(current).strip():
+        parts.append("".join(current))
+    return parts
+
+
+def parse_instruction(line):
+    match = INSTRUCTION.match(line)
+    if not match:
+        return None
+    name, rest = match.groups()
+    rest = rest.strip()
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = rest.index(" ") if " " in rest else len(rest)
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    close = _balanced(rest, op.end() - 1)
+    operands = [p.strip().split()[-1].lstrip("%") for p in _split_top(rest[op.end():close - 1]) if p.strip()]
+    attributes = rest[close:]
+    op_name = re.search(r'op_name="([^"]*)"', attributes)
+    return Instruction(name, shape, op.group(1), operands, attributes, op_name.group(1) if op_name else "")
+
+
+def parse_module(text):
+    """{computation name: [Instruction]} and the entry computation's name."""
+    computations, entry, current = {}, None, None
+    for line in text.splitlines():
+        header = COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            instruction = parse_instruction(line)
+            if instruction is not None:
+                computations[current].append(instruction)
+    return computations, entry
+
+
+def dims(shape_text):
+    """The dimensions of an array type text (the first array of a tuple)."""
+    match = SHAPE.search(shape_text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _int_list(attributes, key):
+    match = re.search(key + r"=\{([0-9,]*)\}", attributes)
+    return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+def _called(attributes, key):
+    match = re.search(key + r"=%?([^\s,}]+)", attributes)
+    return match.group(1) if match else None
+
+
+@dataclasses.dataclass
+class Matmul:
+    flops: float  # per execution x how many times its enclosing loops run it
+    op_name: str
+    kind: str  # "dot" | "cublas"
+
+    @property
+    def component(self):
+        tokens = re.findall(r"[A-Za-z_][\w]*", self.op_name)
+        if "ragged_dot" in self.op_name:
+            return components.EXPERTS
+        return next((t for t in reversed(tokens) if t in components.ALL), "other")
+
+    @property
+    def phase(self):
+        if "rematted_computation" in self.op_name:
+            return "recompute"
+        return "backward" if "transpose(" in self.op_name else "forward"
+
+
+@dataclasses.dataclass
+class Count:
+    matmuls: list = dataclasses.field(default_factory=list)
+    kernels: dict = dataclasses.field(default_factory=dict)  # custom-call target -> executions
+    unknown_trip_counts: list = dataclasses.field(default_factory=list)  # while loops counted once
+    dense_ragged_dots: list = dataclasses.field(default_factory=list)  # (op name, flops)
+
+    @property
+    def total(self):
+        return sum(m.flops for m in self.matmuls)
+
+
+def count(text):
+    """Count: every matmul of the module (scaled by its loops' trip counts), the unreadable kernels."""
+    computations, entry = parse_module(text)
+    if entry is None:
+        raise ValueError("not an HLO module: no ENTRY computation")
+    out = Count()
+
+    def matmul(ins, shapes, kind, contracting, times):
+        lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+        flops = 2 * math.prod(dims(ins.shape)) * math.prod(lhs[d] for d in contracting if d < len(lhs))
+        return Matmul(flops * times, ins.op_name, kind)
+
+    def walk(name, times, stack=()):
+        """[Matmul] of computation `name` run `times` times."""
+        if name not in computations or name in stack:
+            return []
+        body, stack, found = computations[name], stack + (name,), []
+        shapes = {i.name: i.shape for i in body}
+        for ins in body:
+            if ins.opcode == "dot":
+                found.append(matmul(ins, shapes, "dot", _int_list(ins.attributes, "lhs_contracting_dims"), times))
+                if "ragged_dot" in ins.op_name:
+                    out.dense_ragged_dots.append((ins.op_name, found[-1].flops))
+            elif ins.opcode == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
+                target = target.group(1) if target else "?"
+                if target.startswith(GEMM_TARGETS):
+                    axes = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
+                    axes = [int(a.strip('" ')) for a in axes.group(1).split(",") if a.strip('" ')] if axes else []
+                    found.append(matmul(ins, shapes, "cublas", axes, times))
+                elif any(h in target.lower() for h in KERNEL_HINTS):
+                    out.kernels[target] = out.kernels.get(target, 0) + times
+            elif ins.opcode == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
+                if not trips:
+                    out.unknown_trip_counts.append(ins.op_name or ins.name)
+                found += walk(_called(ins.attributes, "body"), times * (int(trips.group(1)) if trips else 1), stack)
+            elif ins.opcode == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attributes)
+                names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
+                         [_called(ins.attributes, "true_computation"), _called(ins.attributes, "false_computation")])
+                found += max((walk(b, times, stack) for b in names), key=lambda ms: sum(m.flops for m in ms),
+                             default=[])
+            else:
+                for key in ("calls", "to_apply") if ins.opcode == "call" else ("calls",):
+                    if _called(ins.attributes, key):
+                        found += walk(_called(ins.attributes, key), times, stack)
+        return found
+
+    out.matmuls = walk(entry, 1)
+    return out
+
+
+def audit(text, model_flops):
+    """The audit report (a dict) of a compiled module's text against {component: model FLOPs per device}
+    (train/flops.by_component divided by the devices; None: totals only)."""
+    c = count(text)
+    parts = {}
+    for m in c.matmuls:
+        entry = parts.setdefault(m.component, {"compiled_flops": 0.0, "recompute_flops": 0.0})
+        entry["compiled_flops"] += m.flops
+        if m.phase == "recompute":
+            entry["recompute_flops"] += m.flops
+    model_total = sum(model_flops.values()) if model_flops else None
+    warnings = []
+    for name, entry in parts.items():
+        model = (model_flops or {}).get(name)
+        entry["model_flops"] = model
+        entry["ratio"] = entry["compiled_flops"] / model if model else None
+        expected = EXPECTED.get(name, 1.0)
+        if model and entry["compiled_flops"] - entry["recompute_flops"] > TOLERANCE * expected * model:
+            warnings.append(f"{name}: {entry['compiled_flops'] / model:.2f}x its model FLOPs (expected "
+                            f"{expected:g}x + recomputation: {_pflop(entry['compiled_flops'])} compiled, "
+                            f"{_pflop(entry['recompute_flops'])} of it recomputed, against {_pflop(model)})")
+    for op_name, flops in c.dense_ragged_dots[:1]:
+        warnings.append(f"XLA lowered ragged_dot to a dense dot over every expert ({len(c.dense_ragged_dots)} "
+                        f"dot(s), {_pflop(sum(f for _, f in c.dense_ragged_dots))}; e.g. {op_name})")
+    return {"compiled_matmul_flops": c.total, "model_flops": model_total,
+            "ratio": c.total / model_total if model_total else None,
+            "recompute_flops": sum(e["recompute_flops"] for e in parts.values()),
+            "components": parts, "unreadable_kernels": c.kernels, "unknown_trip_counts": c.unknown_trip_counts,
+            "dense_ragged_dots": len(c.dense_ragged_dots), "warnings": warnings}
+
+
+def model_flops_per_device(setup):
+    """{component: model FLOPs per device per step} of a TrainSetup (train/flops.by_component over its
+    devices); {"model": total} when the family does not split its parameters by component."""
+    from MaxOffload.train import flops
+
+    n, c = setup.mesh.size, setup.model_config
+    batch, seq_len = setup.cfg.train.per_device_batch_size * n, setup.cfg.train.seq_len
+    try:
+        return {k: v / n for k, v in flops.by_component(c, batch, seq_len).items()}
+    except NotImplementedError:
+        return {"model": flops.train_flops_per_step(c, batch, seq_len) / n}
+
+
+def of_compiled(compiled, setup):
+    """The audit of a TrainSetup's compiled step."""
+    return audit(compiled.as_text(), model_flops_per_device(setup))
+
+
+def _pflop(n):
+    return f"{n / 1e15:,.3g} PFLOP" if n >= 1e14 else f"{n / 1e12:,.3g} TFLOP" if n >= 1e11 else f"{n / 1e9:,.3g} GFLOP"
+
+
+def format_audit(report):
+    """Lines for the aot tool: total, per component, unreadable kernels, warnings."""
+    ratio = f" = {report['ratio']:.2f}x the model FLOPs ({_pflop(report['model_flops'])})" if report["ratio"] else ""
+    lines = [f"compiled matmul work per device per step: {_pflop(report['compiled_matmul_flops'])}{ratio}, "
+             f"{_pflop(report['recompute_flops'])} of it recomputation"]
+    for name, e in sorted(report["components"].items(), key=lambda kv: -kv[1]["compiled_flops"]):
+        against = f" ({e['ratio']:.2f}x model)" if e["ratio"] else ""
+        lines.append(f"  {name:<17} {_pflop(e['compiled_flops']):>14}{against}, recompute "
+                     f"{_pflop(e['recompute_flops'])}")
+    if report["unreadable_kernels"]:
+        lines.append("  kernels whose FLOPs the HLO does not show: " + ", ".join(
+            f"{k} x{v}" for k, v in sorted(report["unreadable_kernels"].items())))
+    lines += [f"WARNING compiled work: {w}" for w in report["warnings"]]
+    return lines
