@@ -232,9 +232,12 @@ def count(text):
     return out
 
 
-def audit(text, model_flops):
+def audit(text, model_flops, multiples=None):
     """The audit report (a dict) of a compiled module's text against {component: model FLOPs per device}
-    (train/flops.by_component divided by the devices; None: totals only)."""
+    (train/flops.by_component divided by the devices; None: totals only); `multiples` {component: x}: what
+    the model's own configuration makes a part take by construction (on top of EXPECTED), e.g. a capacity
+    factor's padded expert rows."""
+    expected_of = {**EXPECTED, **(multiples or {})}
     c = count(text)
     parts = {}
     for m in c.matmuls:
@@ -248,7 +251,7 @@ def audit(text, model_flops):
         model = (model_flops or {}).get(name)
         entry["model_flops"] = model
         entry["ratio"] = entry["compiled_flops"] / model if model else None
-        expected = EXPECTED.get(name, 1.0)
+        expected = expected_of.get(name, 1.0)
         if model and entry["compiled_flops"] - entry["recompute_flops"] > TOLERANCE * expected * model:
             warnings.append(f"{name}: {entry['compiled_flops'] / model:.2f}x its model FLOPs (expected "
                             f"{expected:g}x + recomputation: {_pflop(entry['compiled_flops'])} compiled, "
@@ -278,7 +281,7 @@ def model_flops_per_device(setup):
 
 def of_compiled(compiled, setup):
     """The audit of a TrainSetup's compiled step."""
-    return audit(compiled.as_text(), model_flops_per_device(setup))
+    return audit(compiled.as_text(), model_flops_per_device(setup), setup.model_config.compiled_work_multiples())
 
 
 def _pflop(n):

@@ -77,6 +77,9 @@ def test_a_written_module_is_counted_by_hand():
     over = audit.audit(MODULE, {components.MLP: 128, components.PROJECTIONS: 128, components.UNEMBED: 128,
                                 components.ROUTER: 128})
     assert len(over["warnings"]) == 1 and over["warnings"][0].startswith("mlp: 3.00x its model FLOPs")
+    padded = audit.audit(MODULE, {components.MLP: 128, components.PROJECTIONS: 128, components.UNEMBED: 128,
+                                  components.ROUTER: 128}, {components.MLP: 3.0})  # e.g. a capacity's padding
+    assert padded["warnings"] == []
 
 
 def test_a_compiled_scan_with_remat_is_counted_exactly():

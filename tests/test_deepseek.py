@@ -359,6 +359,26 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     assert int(jnp.sum(positions >= capacity)) == len(dropped)
 
 
+def test_capacity_mode_multiplies_as_one_batched_gemm_equal_to_ragged_dot():
+    """Capacity mode's equal groups go through a batched GEMM (no ragged_dot, whose GPU lowering is a dense
+    dot over every expert): the same values and gradients as ragged_dot on the same groups."""
+    rng = np.random.default_rng(7)
+    e, per, k, n = 4, 6, 8, 5
+    rows, w = jnp.asarray(rand(rng, e * per, k)), jnp.asarray(rand(rng, e, k, n))
+    sizes = jnp.full((e,), per, jnp.int32)
+    target = jnp.asarray(rand(rng, e * per, n))
+    for argnums in ((), (0, 1)):
+        def f(impl):
+            out = lambda a, b: jnp.sum(impl(a, b) * target)  # noqa: E731
+            return jax.grad(out, argnums=argnums)(rows, w) if argnums else impl(rows, w)
+        batched = f(lambda a, b: moe.grouped_matmul(a, b, sizes, capacity=per))
+        ragged = f(lambda a, b: jax.lax.ragged_dot(a, b, sizes))
+        for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(ragged)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(lambda a, b: moe.grouped_matmul(a, b, sizes, capacity=per))(rows, w))
+    assert "ragged_dot" not in jaxpr and "dot_general" in jaxpr
+
+
 def test_capacity_mode_statistics_count_dropped_choices():
     layer = make_moe(capacity_factor=0.5)  # capacity = ceil(0.5 * 10 * 2 / 6) = 2 per expert and sequence
     x = jnp.asarray(rand(np.random.default_rng(7), 3, 10, 16))

@@ -24,6 +24,11 @@ class FromConfig:
         FLOPs the compiled-work audit (MaxOffload/audit.py) holds each part of the compiled step to."""
         raise NotImplementedError(f"{type(self).__name__} does not split its matmul parameters by component")
 
+    def compiled_work_multiples(self):
+        """{models/components part: x}: the multiple of its model FLOPs a part computes by construction under
+        this configuration (the audit's expectation; 1 when absent), e.g. padding rows."""
+        return {}
+
     def matmul_params_per_token(self):
         """Weights each token multiplies by: the FLOP-bearing parameters (embedding lookup excluded)."""
         return sum(self.matmul_params_by_component().values())

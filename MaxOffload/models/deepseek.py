@@ -177,6 +177,11 @@ class DeepSeekConfig(FromConfig):
                 components.EXPERTS: moe_layers * 3 * d * self.moe_mlp_dim * self.num_experts_per_tok,
                 components.UNEMBED: d * self.vocab_size}
 
+    def compiled_work_multiples(self):
+        """Capacity mode computes every expert's `capacity` rows, filled or not: ~capacity_factor x the
+        routed experts' model FLOPs (which count each token's top-k choices once)."""
+        return {components.EXPERTS: self.capacity_factor} if self.capacity_factor else {}
+
     def contractions(self, model_group, seq_len):
         """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul,
         e.g. the latents' norms mla_q / mla_kv, costed by the planner as memory traffic)."""

@@ -6,7 +6,11 @@ One MoE layer, x: [batch, length, emb]:
               top-k); gates = the chosen experts' unbiased scores, normalised, x routed_scaling_factor
     dispatch  every (token, choice) gets a row of an expert-sorted buffer: dropless = sorted by expert,
               ragged groups; capacity = `capacity` slots per expert and sequence, later tokens dropped
-    experts   three grouped matmuls over the rows (jax.lax.ragged_dot): moe_mlpwi_0/1, moe_mlpwo
+    experts   three grouped matmuls over the rows: moe_mlpwi_0/1, moe_mlpwo (`grouped_matmul`). With a
+              capacity every local expert has the same number of rows, laid out in one block each: one
+              batched GEMM, [experts, rows, emb] x [experts, emb, mlp], whose compiled FLOPs are the
+              capacity's (XLA's GPU compiler rewrites jax.lax.ragged_dot into a dense dot over every
+              expert: experts x the work). Dropless groups are ragged: jax.lax.ragged_dot.
     combine   out[token] = sum over its choices of gate * expert output
     + the shared expert, a SwiGLU every token passes through (tagged mlpwi_0/1, mlpwo like a dense MLP)
 
@@ -128,6 +132,17 @@ def dispatch(x, experts, positions, *, first_expert, num_local, capacity):
     return rows, row, sizes
 
 
+def grouped_matmul(rows, w, sizes, capacity):
+    """rows [R, k] x w [E, k, n] -> [R, n], row r multiplied by the expert whose group holds it (`sizes`
+    [E] consecutive rows each). capacity > 0: every group has R / E rows (dispatch's layout), so this is one
+    batched GEMM; dropless: jax.lax.ragged_dot."""
+    if capacity:
+        experts = w.shape[0]
+        out = jnp.einsum("egk,ekn->egn", rows.reshape(experts, -1, rows.shape[-1]), w)
+        return out.reshape(-1, w.shape[-1])
+    return jax.lax.ragged_dot(rows, w, sizes)
+
+
 def combine(y_rows, row, gates):
     """[b, l, emb] float32: per token, the gate-weighted sum of its choices' expert outputs."""
     b, length, k = gates.shape
@@ -182,13 +197,16 @@ class ExpertExchange:
 
     def matmul_in(self, rows, w, sizes):
         """rows [R, emb] x w [E, emb, mlp] -> [R, mlp]."""
-        return self._run(jax.lax.ragged_dot, (_spec(self.rows, ()), _spec(self.ep, (), self.mlp), _spec(self.rows)),
+        def local(rows, w, sizes):
+            return grouped_matmul(rows, w, sizes, self.capacity)
+
+        return self._run(local, (_spec(self.rows, ()), _spec(self.ep, (), self.mlp), _spec(self.rows)),
                          _spec(self.rows, self.mlp), rows, w, sizes)
 
     def matmul_out(self, h, w, sizes):
         """h [R, mlp] x w [E, mlp, emb] -> [R, emb], summed over the mlp shards."""
         def local(h, w, sizes):
-            out = jax.lax.ragged_dot(h, w, sizes)
+            out = grouped_matmul(h, w, sizes, self.capacity)
             return jax.lax.psum(out, self.mlp) if self.mlp else out
 
         return self._run(local, (_spec(self.rows, self.mlp), _spec(self.ep, self.mlp, ()), _spec(self.rows)),

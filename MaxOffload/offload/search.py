@@ -36,14 +36,20 @@ class Plan:
         return usage(self.candidates, self.decisions)[1]
 
     def step_time(self):
-        """Predicted seconds per step: forward + backward (2x) + recomputation + exposed copies."""
-        total = self.other_s
+        """Predicted seconds per step: compute (forward + backward (2x) + recomputation) + storing + exposed
+        copies. Once a confirming compile was audited (compiled_work, MaxOffload/audit.py), the compute is
+        the compiled program's matmul FLOPs at the achievable peak, not the model's ideal: a plan that
+        compiles into extra work (a dense ragged_dot, say) is predicted slower."""
+        compute, rest = self.other_s, 0.0
         for group, g in self.costs.items():
             members = [c for c in self.candidates if c.group == group]
             recompute = sum(c.recompute_s for c in members if self.decisions[(group, c.name)] == REMAT)
             stored = sum(c.save_s for c in members if self.decisions[(group, c.name)] != REMAT)
-            total += g.layers * (3 * g.forward_s + recompute + stored + self.exposed_s(group, recompute))
-        return total
+            compute += g.layers * (3 * g.forward_s + recompute)
+            rest += g.layers * (stored + self.exposed_s(group, recompute))
+        if self.compiled_work is not None:
+            compute = self.compiled_work["compiled_matmul_flops"] / self.machine.peak_flops
+        return compute + rest
 
     def exposed_s(self, group, recompute=0.0):
         """Per layer: copy time that does not hide under the layer's compute (to host in the forward,
