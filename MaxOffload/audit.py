@@ -300,5 +300,5 @@ def format_audit(report):
     if report["unreadable_kernels"]:
         lines.append("  kernels whose FLOPs the HLO does not show: " + ", ".join(
             f"{k} x{v}" for k, v in sorted(report["unreadable_kernels"].items())))
-    lines += [f"WARNING compiled work: {w}" for w in report["warnings"]]
+    lines += [f"WARNING: compiled work: {w}" for w in report["warnings"]]
     return lines

@@ -1,5 +1,5 @@
 """The one formula for what a compiled step holds per device, from XLA's memory analysis; the aot report, the
-planner and the trainer's summary all read it here."""
+planner and the policy sweep read it here."""
 
 
 def compiled_bytes(analysis):

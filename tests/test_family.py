@@ -21,7 +21,7 @@ from MaxOffload.config import ConfigError, load
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, Attention, param, rope_inv_freq
-from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
+from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, planner
 from MaxOffload.parallel.logical import constrain
@@ -106,17 +106,10 @@ class ToyLayer(nnx.Module):
         return x + names.tag(constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
 
 
-class Toy(DecoderModel):
-    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, experts=None):
-        self.remat_segments = remat_segments["decoder"]
-        self.init_embeddings(c, params_on_host, rngs)
-        self.layers = stacked_layers(lambda r: ToyLayer(c, rngs=r), c.num_layers, rngs)
-        self.init_head(c, rngs)
-
-    def __call__(self, tokens):
-        x, positions, embed = self.embed_tokens(tokens)
-        x = run_layers(self.layers, x, positions, self.remat_segments, self.config.scan_layers, self.params_on_host)
-        return self.logits(x, embed)
+class Toy(SingleStackDecoder):
+    @staticmethod
+    def make_layer(c, rngs):
+        return ToyLayer(c, rngs=rngs)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from MaxOffload.models import components
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import Attention, RMSNorm, SwiGLU
 from MaxOffload.models.rope import rope_inv_freq
-from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
+from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import names
 
 # The family's own cfg.model keys (the shared ones are in config/defaults.py).
@@ -110,16 +110,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(DecoderModel):
-    def __init__(self, c: LlamaConfig, *, remat_segments, params_on_host=False, rngs, experts=None):
-        """experts: an expert-parallel layout, as every family takes; Llama has no MoE layers."""
-        self.remat_segments = remat_segments["decoder"]
-        self.init_embeddings(c, params_on_host, rngs)
-        self.layers = stacked_layers(lambda r: DecoderLayer(c, rngs=r), c.num_layers, rngs)
-        self.init_head(c, rngs)
-
-    def __call__(self, tokens):
-        """tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
-        x, positions, embed = self.embed_tokens(tokens)
-        x = run_layers(self.layers, x, positions, self.remat_segments, self.config.scan_layers, self.params_on_host)
-        return self.logits(x, embed)
+class Llama(SingleStackDecoder):
+    @staticmethod
+    def make_layer(c: LlamaConfig, rngs):
+        return DecoderLayer(c, rngs=rngs)

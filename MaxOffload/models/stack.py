@@ -110,3 +110,25 @@ class DecoderModel(nnx.Module):
         logits = jnp.einsum("ble,ev->blv", x, unembed.astype(jnp.dtype(c.compute_dtype)),
                             preferred_element_type=jnp.float32)
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+class SingleStackDecoder(DecoderModel):
+    """A family whose layers are one scanned stack of identical layers (the model group "decoder"): it gives
+    `make_layer(config, rngs)` and gets the constructor every family takes and the forward pass."""
+
+    @staticmethod
+    def make_layer(c, rngs):
+        raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs) -> one layer")
+
+    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, experts=None):
+        """experts: an expert-parallel layout, as every family takes (unused: no MoE layers here)."""
+        self.remat_segments = remat_segments["decoder"]
+        self.init_embeddings(c, params_on_host, rngs)
+        self.layers = stacked_layers(lambda r: self.make_layer(c, r), c.num_layers, rngs)
+        self.init_head(c, rngs)
+
+    def __call__(self, tokens):
+        """tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
+        x, positions, embed = self.embed_tokens(tokens)
+        x = run_layers(self.layers, x, positions, self.remat_segments, self.config.scan_layers, self.params_on_host)
+        return self.logits(x, embed)

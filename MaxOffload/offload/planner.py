@@ -115,9 +115,8 @@ def compiled_memory(setup):
 
 def plan(cfg, target=None, topology=None, confirm=True, log=print):
     """The Plan for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
-    from MaxOffload import models, resolve
+    from MaxOffload import resolve
     from MaxOffload.offload.placement import activation_groups
-    from MaxOffload.train import flops
     from MaxOffload.train.step import HOST
 
     devices = _target_devices(target, topology)
@@ -126,10 +125,9 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     m = machine(accelerator, cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST)) if accelerator \
         else cpu_machine()
     groups, _, _ = activation_groups(cfg, setup)
-    mc = models.model_config(cfg)
+    mc = setup.model_config
     candidates, costs = cost_model(mc, groups, m, cfg.train.seq_len, pinned=resolve.pins(cfg))
-    n = setup.mesh.size
-    model_flops = flops.train_flops_per_step(mc, cfg.train.per_device_batch_size * n, cfg.train.seq_len) / n
+    model_flops = sum(audit.model_flops_per_device(setup).values())
     tokens = cfg.train.per_device_batch_size * cfg.train.seq_len
     other_s = 6 * tokens * mc.emb_dim * mc.vocab_size / m.peak_flops
     confirm = confirm and m.gpu
