@@ -7,16 +7,22 @@ Counted, per device and step:
   - while loops: their body x the trip count XLA proved (`known_trip_count`); a loop without one is counted
     once and listed in `unknown_trip_counts`;
   - cuBLAS GEMM custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`), from their dot dimension numbers;
+  - tokamax kernels (a Triton custom call whose op name carries tokamax's JSON of the op and its arguments):
+    from those argument shapes (KERNEL_FLOPS), the work of the whole buffer — an upper bound where a
+    grouped GEMM skips the rows past its groups;
   - conditionals: the most expensive branch.
-Kernels whose FLOPs the HLO cannot show (Triton / cuDNN / Mosaic custom calls) are listed by target.
+Other kernels whose FLOPs the HLO cannot show (Triton / cuDNN / Mosaic custom calls) are listed by target.
 
 Each matmul is attributed to the innermost models/components scope in its op name (attention scores,
 projections, MLP, router, routed experts, unembedding; "other" when none), and to its phase: "recompute"
-when JAX marked it `rematted_computation` (the forward redone in the backward pass), else forward/backward.
+when JAX marked it `rematted_computation` (the forward redone in the backward pass) or when XLA's own HLO
+rematerialization cloned it to save memory (an instruction named `*.remat*`, which keeps the original op
+name), else forward/backward.
 A `dot` whose op name says `ragged_dot` is XLA's dense rewrite of a grouped matmul (its lhs expanded over
 the experts): it is listed in `dense_ragged_dots`, a WARNING on its own.
 """
 import dataclasses
+import json
 import math
 import re
 
@@ -43,6 +49,7 @@ class Instruction:
     operands: list  # operand names
     attributes: str  # everything after the operand list
     op_name: str
+    payload: str = ""  # the metadata's metadata_payload (jax >= 0.12 puts tokamax's op JSON there)
 
 
 def _string_end(text, i):
@@ -106,8 +113,57 @@ def parse_instruction(line):
     close = _balanced(rest, op.end() - 1)
     operands = [p.strip().split()[-1].lstrip("%") for p in _split_top(rest[op.end():close - 1]) if p.strip()]
     attributes = rest[close:]
-    op_name = re.search(r'op_name="([^"]*)"', attributes)
-    return Instruction(name, shape, op.group(1), operands, attributes, op_name.group(1) if op_name else "")
+    return Instruction(name, shape, op.group(1), operands, attributes, _metadata(attributes, "op_name"),
+                       _metadata(attributes, "metadata_payload"))
+
+
+def _metadata(attributes, key):
+    """A string field of the metadata, unescaped (tokamax's hold JSON with quotes)."""
+    start = attributes.find(f' {key}="') + 1 or attributes.find(f'{{{key}="') + 1
+    if start <= 0:
+        return ""
+    start += len(key) + 1
+    return attributes[start + 1:_string_end(attributes, start) - 1].replace('\\"', '"').replace("\\\\", "\\")
+
+
+def _tokamax_op(op_name):
+    """tokamax's {"op": ..., "arguments": ...} from an op name "...tokamax:{...}/...", or None."""
+    start = op_name.find("tokamax:{")
+    if start < 0:
+        return None
+    start += len("tokamax:")
+    try:
+        return json.loads(op_name[start:_balanced(op_name, start)])
+    except ValueError:
+        return None
+
+
+def _ragged_dot_flops(arguments):
+    """2 x lhs elements x the rhs dimensions that are neither contracted, batch nor group dimensions."""
+    lhs, rhs = dims(arguments["lhs"]), dims(arguments["rhs"])
+    numbers = arguments["ragged_dot_dimension_numbers"]
+    (_, rhs_contracting), (_, rhs_batch) = numbers["dot_dimension_numbers"]
+    skipped = set(rhs_contracting) | set(rhs_batch) | set(numbers["rhs_group_dimensions"])
+    return 2 * math.prod(lhs) * math.prod(d for i, d in enumerate(rhs) if i not in skipped)
+
+
+# tokamax op class name (its last part, lowercased, containing) -> FLOPs of one call from its arguments
+KERNEL_FLOPS = {"raggeddot": _ragged_dot_flops}
+
+
+def kernel_flops(op_name):
+    """(kernel name, FLOPs of one call) of a tokamax op name, or None when it is none we can count."""
+    op = _tokamax_op(op_name)
+    if not op:
+        return None
+    kind = op.get("op", {}).get("__type", "").rsplit(".", 1)[-1]
+    for key, flops in KERNEL_FLOPS.items():
+        if key in kind.lower():
+            try:
+                return kind, flops(op["arguments"])
+            except (KeyError, TypeError, ValueError):
+                return None
+    return None
 
 
 def parse_module(text):
@@ -151,7 +207,8 @@ def _called(attributes, key):
 class Matmul:
     flops: float  # per execution x how many times its enclosing loops run it
     op_name: str
-    kind: str  # "dot" | "cublas"
+    kind: str  # "dot" | "cublas" | a tokamax kernel's op class
+    cloned: bool = False  # inside an instruction XLA's rematerialization cloned (*.remat*)
 
     @property
     def component(self):
@@ -162,7 +219,7 @@ class Matmul:
 
     @property
     def phase(self):
-        if "rematted_computation" in self.op_name:
+        if self.cloned or "rematted_computation" in self.op_name:
             return "recompute"
         return "backward" if "transpose(" in self.op_name else "forward"
 
@@ -170,7 +227,8 @@ class Matmul:
 @dataclasses.dataclass
 class Count:
     matmuls: list = dataclasses.field(default_factory=list)
-    kernels: dict = dataclasses.field(default_factory=dict)  # custom-call target -> executions
+    kernels: dict = dataclasses.field(default_factory=dict)  # custom-call target -> executions (FLOPs unread)
+    counted_kernels: dict = dataclasses.field(default_factory=dict)  # tokamax op -> executions (FLOPs counted)
     unknown_trip_counts: list = dataclasses.field(default_factory=list)  # while loops counted once
     dense_ragged_dots: list = dataclasses.field(default_factory=list)  # (op name, flops)
 
@@ -186,46 +244,53 @@ def count(text):
         raise ValueError("not an HLO module: no ENTRY computation")
     out = Count()
 
-    def matmul(ins, shapes, kind, contracting, times):
+    def matmul(ins, shapes, kind, contracting, times, cloned):
         lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
         flops = 2 * math.prod(dims(ins.shape)) * math.prod(lhs[d] for d in contracting if d < len(lhs))
-        return Matmul(flops * times, ins.op_name, kind)
+        return Matmul(flops * times, ins.op_name, kind, cloned)
 
-    def walk(name, times, stack=()):
-        """[Matmul] of computation `name` run `times` times."""
+    def walk(name, times, stack=(), cloned=False):
+        """[Matmul] of computation `name` run `times` times (`cloned`: by XLA's rematerialization)."""
         if name not in computations or name in stack:
             return []
         body, stack, found = computations[name], stack + (name,), []
         shapes = {i.name: i.shape for i in body}
         for ins in body:
+            here = cloned or ".remat" in ins.name
             if ins.opcode == "dot":
-                found.append(matmul(ins, shapes, "dot", _int_list(ins.attributes, "lhs_contracting_dims"), times))
+                found.append(matmul(ins, shapes, "dot", _int_list(ins.attributes, "lhs_contracting_dims"), times,
+                                    here))
                 if "ragged_dot" in ins.op_name:
                     out.dense_ragged_dots.append((ins.op_name, found[-1].flops))
             elif ins.opcode == "custom-call":
                 target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
                 target = target.group(1) if target else "?"
+                kernel = kernel_flops(ins.payload) or kernel_flops(ins.op_name)
                 if target.startswith(GEMM_TARGETS):
                     axes = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
                     axes = [int(a.strip('" ')) for a in axes.group(1).split(",") if a.strip('" ')] if axes else []
-                    found.append(matmul(ins, shapes, "cublas", axes, times))
+                    found.append(matmul(ins, shapes, "cublas", axes, times, here))
+                elif kernel:
+                    found.append(Matmul(kernel[1] * times, ins.op_name, kernel[0], here))
+                    out.counted_kernels[kernel[0]] = out.counted_kernels.get(kernel[0], 0) + times
                 elif any(h in target.lower() for h in KERNEL_HINTS):
                     out.kernels[target] = out.kernels.get(target, 0) + times
             elif ins.opcode == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
                 if not trips:
                     out.unknown_trip_counts.append(ins.op_name or ins.name)
-                found += walk(_called(ins.attributes, "body"), times * (int(trips.group(1)) if trips else 1), stack)
+                found += walk(_called(ins.attributes, "body"), times * (int(trips.group(1)) if trips else 1), stack,
+                              here)
             elif ins.opcode == "conditional":
                 branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attributes)
                 names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
                          [_called(ins.attributes, "true_computation"), _called(ins.attributes, "false_computation")])
-                found += max((walk(b, times, stack) for b in names), key=lambda ms: sum(m.flops for m in ms),
-                             default=[])
+                found += max((walk(b, times, stack, here) for b in names),
+                             key=lambda ms: sum(m.flops for m in ms), default=[])
             else:
                 for key in ("calls", "to_apply") if ins.opcode == "call" else ("calls",):
                     if _called(ins.attributes, key):
-                        found += walk(_called(ins.attributes, key), times, stack)
+                        found += walk(_called(ins.attributes, key), times, stack, here)
         return found
 
     out.matmuls = walk(entry, 1)
@@ -262,7 +327,8 @@ def audit(text, model_flops, multiples=None):
     return {"compiled_matmul_flops": c.total, "model_flops": model_total,
             "ratio": c.total / model_total if model_total else None,
             "recompute_flops": sum(e["recompute_flops"] for e in parts.values()),
-            "components": parts, "unreadable_kernels": c.kernels, "unknown_trip_counts": c.unknown_trip_counts,
+            "components": parts, "unreadable_kernels": c.kernels, "counted_kernels": c.counted_kernels,
+            "unknown_trip_counts": c.unknown_trip_counts,
             "dense_ragged_dots": len(c.dense_ragged_dots), "warnings": warnings}
 
 
@@ -297,6 +363,9 @@ def format_audit(report):
         against = f" ({e['ratio']:.2f}x model)" if e["ratio"] else ""
         lines.append(f"  {name:<17} {_pflop(e['compiled_flops']):>14}{against}, recompute "
                      f"{_pflop(e['recompute_flops'])}")
+    if report.get("counted_kernels"):
+        lines.append("  kernels counted from their shapes (the whole buffer: an upper bound): " + ", ".join(
+            f"{k} x{v}" for k, v in sorted(report["counted_kernels"].items())))
     if report["unreadable_kernels"]:
         lines.append("  kernels whose FLOPs the HLO does not show: " + ", ".join(
             f"{k} x{v}" for k, v in sorted(report["unreadable_kernels"].items())))

@@ -20,7 +20,7 @@ from test_model import checkpoint_names  # the jaxpr walker, itself tested there
 from MaxOffload import resolve
 from MaxOffload import models
 from MaxOffload.config import ConfigError, load
-from MaxOffload.models import deepseek, moe
+from MaxOffload.models import deepseek, kernels, moe
 from MaxOffload.train.flops import train_flops_per_step
 
 EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -34,6 +34,10 @@ EP_RUNS = {
 }
 EP_CAPACITY_RUNS = {
     "single_capacity": ["single", "model.capacity_factor=1.0"],
+    # the tokamax path (its XLA implementation on CPU) with a buffer of 8x a balanced step's rows: all of them
+    "single_buffer": ["single", "model.moe_buffer_factor=8"],
+    "expert8_tokamax_buffer": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", "model.moe_kernel=tokamax",
+                               "model.moe_buffer_factor=8"],
     "expert2_fsdp2_tensor2_capacity": ["mesh.ici.expert=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2",
                                        "model.capacity_factor=1.0"],
 }
@@ -282,8 +286,9 @@ def make_moe(rng_seed=0, capacity_factor=0.0, num_shared=1, **kw):
     return moe.MoE(**args, rngs=nnx.Rngs(params=rng_seed))
 
 
-def ref_moe(layer, x):
-    """Per token: route (numpy), then the chosen experts one by one, plus the shared expert."""
+def ref_moe(layer, x, kept=lambda b, t, c, e: True):
+    """Per token: route (numpy), then the chosen experts one by one (those `kept(b, t, choice, expert)`), plus
+    the shared expert."""
     w = lambda p: np.asarray(p[...], np.float64)  # noqa: E731
     router, bias, wi_0, wi_1, wo = (w(layer.router), w(layer.router_bias), w(layer.wi_0), w(layer.wi_1), w(layer.wo))
     out = np.zeros(x.shape)
@@ -292,8 +297,9 @@ def ref_moe(layer, x):
         s = sigmoid(xt @ router)
         chosen = np.argsort(-(s + bias))[:layer.top_k]
         gates = s[chosen] / s[chosen].sum() * layer.scaling
-        for e, g in zip(chosen, gates):
-            out[b, t] += g * (silu(xt @ wi_0[e]) * (xt @ wi_1[e])) @ wo[e]
+        for c, (e, g) in enumerate(zip(chosen, gates)):
+            if kept(b, t, c, e):
+                out[b, t] += g * (silu(xt @ wi_0[e]) * (xt @ wi_1[e])) @ wo[e]
         if layer.shared is not None:
             sh = layer.shared
             out[b, t] += (silu(xt @ w(sh.wi_0)) * (xt @ w(sh.wi_1))) @ w(sh.wo)
@@ -307,6 +313,50 @@ def test_dropless_moe_matches_loop_over_tokens_and_experts():
     out, stats = jax.jit(lambda x: layer(x))(jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
     assert float(stats["load"].sum()) == 3 * 5 * 2 and float(stats["dropped"]) == 0
+
+
+def test_tokamax_grouped_gemm_equals_ragged_dot_values_and_gradients():
+    """The tokamax path of the grouped GEMM (models/kernels.py; on CPU tokamax's XLA implementation, behind the
+    same call and custom VJP as its Triton kernel) gives jax.lax.ragged_dot's values and gradients, with zeros
+    for the rows past the groups."""
+    rng = np.random.default_rng(8)
+    rows, w, target = jnp.asarray(rand(rng, 20, 8)), jnp.asarray(rand(rng, 4, 8, 5)), jnp.asarray(rand(rng, 20, 5))
+    sizes = jnp.asarray([3, 0, 9, 5], jnp.int32)  # 17 of the 20 rows; the last 3 are in no group
+
+    def run(kernel):
+        loss = lambda a, b: jnp.sum(kernels.ragged_dot(a, b, sizes, kernel) * target)  # noqa: E731
+        return jax.jit(lambda a, b: kernels.ragged_dot(a, b, sizes, kernel))(rows, w), jax.grad(loss, (0, 1))(rows, w)
+
+    (y_tokamax, g_tokamax), (y_xla, g_xla) = run("tokamax:xla"), run("xla")
+    assert np.all(np.asarray(y_tokamax)[17:] == 0) and np.abs(np.asarray(y_tokamax)[:17]).min() > 0
+    for got, want in zip((y_tokamax, *g_tokamax), (y_xla, *g_xla)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert kernels.resolve("auto", "gpu") == "tokamax:triton" and kernels.resolve("auto", "cpu") == "xla"
+    assert kernels.resolve("tokamax", "cpu") == "tokamax:xla"
+
+
+def test_moe_layer_through_tokamax_matches_the_loop_reference():
+    layer = make_moe(kernel="tokamax")
+    assert layer.kernel == "tokamax:xla"
+    x = rand(np.random.default_rng(2), 3, 5, 16)
+    out, _ = jax.jit(lambda x: layer(x))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
+
+
+def test_dropless_buffer_keeps_the_first_rows_in_expert_order_and_counts_the_rest():
+    """model.moe_buffer_factor=0.5 on one device: rows for half of the 30 choices; the choices sorted by expert
+    (then token, then choice) past row 15 are dropped, counted, and give nothing."""
+    layer = make_moe(buffer_factor=0.5)
+    x = rand(np.random.default_rng(9), 3, 5, 16)
+    out, stats = jax.jit(lambda x: layer(x))(jnp.asarray(x))
+    experts, _, _ = moe.route(jnp.asarray(x), layer.router[...], layer.router_bias[...], top_k=2, n_groups=1,
+                              topk_groups=1, scaling=2.5)
+    rank = np.argsort(np.argsort(np.asarray(experts).reshape(-1), kind="stable"), kind="stable").reshape(3, 5, 2)
+    np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x, lambda b, t, c, e: rank[b, t, c] < 15),
+                               rtol=1e-4, atol=1e-5)
+    assert float(stats["dropped"]) == 15
+    full, _ = make_moe(buffer_factor=1.0)(jnp.asarray(x))  # a buffer of every row drops nothing
+    np.testing.assert_allclose(np.asarray(full), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
 
 
 def test_dropless_gradients_match_dense_reference():
@@ -323,7 +373,7 @@ def test_dropless_gradients_match_dense_reference():
         return jnp.einsum("bled,ble->bld", y, weight)
 
     def sparse(x, gates, wi_0, wi_1, wo):
-        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0)
+        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0)[0]
 
     target = jnp.asarray(rand(np.random.default_rng(4), 2, 4, 16))
     args = (x, gates, layer.wi_0[...], layer.wi_1[...], layer.wo[...])
@@ -342,8 +392,9 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     gates = rand(rng, b, l, k) ** 2
     wi_0, wi_1, wo = rand(rng, e, d, m), rand(rng, e, d, m), rand(rng, e, m, d)
     positions = moe.capacity_positions(jnp.asarray(experts), e)
-    got = np.asarray(moe.routed_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(gates), positions,
-                                        jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity))
+    got, counted = moe.routed_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(gates), positions,
+                                      jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity)
+    got = np.asarray(got)
     ref, dropped = np.zeros((b, l, d)), []
     for bi in range(b):
         taken = [0] * e  # per sequence: each expert takes the first `capacity` choices, in token then choice order
@@ -356,7 +407,7 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
             ref[bi, t] += gates[bi, t, c] * (silu(x[bi, t] @ wi_0[ex]) * (x[bi, t] @ wi_1[ex])) @ wo[ex]
     assert (0, 3, 0) in dropped and (0, 2, 0) not in dropped
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
-    assert int(jnp.sum(positions >= capacity)) == len(dropped)
+    assert int(jnp.sum(positions >= capacity)) == len(dropped) == int(counted)
 
 
 def test_capacity_mode_multiplies_as_one_batched_gemm_equal_to_ragged_dot():
@@ -531,7 +582,8 @@ def ep_runs(background):
 
 
 @pytest.mark.parametrize("name,reference", [("expert8", "single"), ("expert4_fsdp2", "single"),
-                                            ("expert2_fsdp2_tensor2_capacity", "single_capacity")])
+                                            ("expert2_fsdp2_tensor2_capacity", "single_capacity"),
+                                            ("expert8_tokamax_buffer", "single_buffer")])
 def test_expert_parallel_equals_single_device(ep_runs, name, reference):
     run, ref = ep_runs[name], ep_runs[reference]
     assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
@@ -548,6 +600,8 @@ def test_expert_parallel_shards_the_experts(ep_runs):
     assert ep_runs["expert4_fsdp2"]["wi_0_shard_shape"] == [2, 2, 32, 32]
     assert ep_runs["expert2_fsdp2_tensor2_capacity"]["wi_0_shard_shape"] == [2, 4, 32, 16]
     assert ep_runs["single_capacity"]["metrics"][0]["moe/dropped_fraction"] > 0  # capacity 1.0 really drops
+    assert ep_runs["single_buffer"]["losses"] == pytest.approx(ep_runs["single"]["losses"], rel=1e-6)
+    assert ep_runs["expert8_tokamax_buffer"]["metrics"][0]["moe/dropped_fraction"] == 0
 
 
 def test_offload_in_moe_group_only(background):

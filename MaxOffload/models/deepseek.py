@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from MaxOffload.errors import require, require_choice
-from MaxOffload.models import components
+from MaxOffload.models import components, kernels
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, causal_attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
@@ -56,6 +56,11 @@ FIELDS = {
     "seq_balance_loss_weight": (0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)"),
     "capacity_factor": (0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * seq_len "
                              "* top_k / num_experts) tokens per sequence, later ones are dropped"),
+    "moe_kernel": ("auto", "deepseek: the dropless grouped GEMM: auto (tokamax's Triton kernel on GPUs, XLA's "
+                           "ragged_dot on CPU) | xla | tokamax (models/kernels.py)"),
+    "moe_buffer_factor": (0.0, "deepseek, dropless: rows per device = factor x a balanced step's (0 = the worst "
+                               "case, every choice on this device's experts); choices past it are dropped and "
+                               "counted in moe/dropped_fraction"),
 }
 
 # Per-layer MoE metrics (moe/max_load_layerN, ...) for models with at most this many MoE layers.
@@ -110,6 +115,8 @@ class DeepSeekConfig(FromConfig):
     router_bias_update_rate: float = 0.001
     seq_balance_loss_weight: float = 0.0
     capacity_factor: float = 0.0
+    moe_kernel: str = "auto"
+    moe_buffer_factor: float = 0.0
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: str = "none"
@@ -143,7 +150,11 @@ class DeepSeekConfig(FromConfig):
         require(0 <= self.first_k_dense <= self.num_layers,
                 f"model.first_k_dense={self.first_k_dense} must be in [0, model.num_layers={self.num_layers}]")
         self.require_non_negative("num_shared_experts", "router_bias_update_rate", "seq_balance_loss_weight",
-                                  "capacity_factor")
+                                  "capacity_factor", "moe_buffer_factor")
+        require_choice("model.moe_kernel", self.moe_kernel, kernels.GROUPED_GEMM)
+        require(not (self.capacity_factor and self.moe_buffer_factor),
+                "model.moe_buffer_factor bounds dropless mode's rows; with model.capacity_factor set, the capacity "
+                "bounds them: set one of the two")
         experts, top_k, groups, topk_groups = self.num_experts, self.num_experts_per_tok, self.n_groups, self.topk_groups
         require(top_k <= experts, f"model.num_experts_per_tok={top_k} exceeds model.num_experts={experts}")
         require(experts % groups == 0, f"model.num_experts={experts} is not divisible by model.n_groups={groups}")
@@ -179,8 +190,10 @@ class DeepSeekConfig(FromConfig):
 
     def compiled_work_multiples(self):
         """Capacity mode computes every expert's `capacity` rows, filled or not: ~capacity_factor x the
-        routed experts' model FLOPs (which count each token's top-k choices once)."""
-        return {components.EXPERTS: self.capacity_factor} if self.capacity_factor else {}
+        routed experts' model FLOPs (which count each token's top-k choices once); a dropless buffer's rows are
+        the kernel's shapes, which the audit counts: ~moe_buffer_factor x."""
+        factor = self.capacity_factor or self.moe_buffer_factor
+        return {components.EXPERTS: factor} if factor else {}
 
     def contractions(self, model_group, seq_len):
         """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul,
@@ -286,7 +299,8 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
                            mlp_dim=c.moe_mlp_dim, num_shared=c.num_shared_experts, n_groups=c.n_groups,
                            topk_groups=c.topk_groups, scaling=c.routed_scaling_factor,
-                           capacity_factor=c.capacity_factor, experts=experts, **common)
+                           capacity_factor=c.capacity_factor, experts=experts, kernel=c.moe_kernel,
+                           buffer_factor=c.moe_buffer_factor, **common)
         else:
             self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, **common)
 
@@ -339,7 +353,7 @@ class DeepSeek(DecoderModel):
         dropped = stats["dropped"] / load.sum(-1)
         metrics = {"moe/max_load": max_load.max(), "moe/mean_max_load": max_load.mean(),
                    "moe/mean_bias_range": bias_range.mean()}
-        if c.capacity_factor:
+        if c.capacity_factor or c.moe_buffer_factor:
             metrics["moe/dropped_fraction"] = stats["dropped"].sum() / load.sum()
         if c.seq_balance_loss_weight:
             metrics["moe/balance_loss"] = stats["balance"].mean()
@@ -347,7 +361,7 @@ class DeepSeek(DecoderModel):
             for i, layer in enumerate(range(c.first_k_dense, c.num_layers)):
                 metrics[f"moe/max_load_layer{layer}"] = max_load[i]
                 metrics[f"moe/bias_range_layer{layer}"] = bias_range[i]
-                if c.capacity_factor:
+                if c.capacity_factor or c.moe_buffer_factor:
                     metrics[f"moe/dropped_fraction_layer{layer}"] = dropped[i]
         # the same structure as the model's non-Param variables (TrainSetup's model_state)
         model_state = jax.tree.map(lambda _: bias, nnx.to_pure_dict(nnx.state(self, RouterBias)))

@@ -9,8 +9,9 @@ One MoE layer, x: [batch, length, emb]:
     experts   three grouped matmuls over the rows: moe_mlpwi_0/1, moe_mlpwo (`grouped_matmul`). With a
               capacity every local expert has the same number of rows, laid out in one block each: one
               batched GEMM, [experts, rows, emb] x [experts, emb, mlp], whose compiled FLOPs are the
-              capacity's (XLA's GPU compiler rewrites jax.lax.ragged_dot into a dense dot over every
-              expert: experts x the work). Dropless groups are ragged: jax.lax.ragged_dot.
+              capacity's. Dropless groups are ragged: a grouped GEMM, `model.moe_kernel` (models/kernels.py:
+              tokamax's Triton kernel on GPUs, where XLA would rewrite jax.lax.ragged_dot into a dense dot
+              over every expert, experts x the work; jax.lax.ragged_dot on CPU).
     combine   out[token] = sum over its choices of gate * expert output
     + the shared expert, a SwiGLU every token passes through (tagged mlpwi_0/1, mlpwo like a dense MLP)
 
@@ -28,7 +29,10 @@ anyway (at most 4 with DeepSeek-V3's 4-of-8 group limit when groups align with r
 so the all-gather sends each token to 7 remote ranks where an all-to-all would send 3-4.6 copies:
 within 2x of the traffic, no drops, exactly the single-device result. Its cost: the gathered tokens
 and, dropless, a rows buffer sized for the worst case (expert ranks x local tokens x top_k rows, of
-which ~1/ranks are filled), so the moe_* activations a policy saves or offloads are that large too.
+which ~1/ranks are filled), so the moe_* activations a policy saves or offloads are that large too —
+unless `model.moe_buffer_factor` bounds it: factor x the rows a balanced step gives each device, the
+choices past it dropped and counted (moe/dropped_fraction), like a capacity but over a device's experts
+together rather than per expert and sequence.
 FSDP combines freely: the weights enter the shard_map gathered over fsdp (the usual FSDP all-gather)
 and their gradients leave reduce-scattered; `moe_mlp` over `tensor` splits every expert's hidden units.
 """
@@ -39,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from MaxOffload.models import components
+from MaxOffload.models import components, kernels
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, SwiGLU, param
 from MaxOffload.offload import names
 from MaxOffload.parallel import logical
@@ -102,45 +106,48 @@ def capacity_positions(experts, num_experts):
 # dispatch -> grouped matmuls -> combine, for the experts held locally
 
 
-def dispatch(x, experts, positions, *, first_expert, num_local, capacity):
+def dispatch(x, experts, positions, *, first_expert, num_local, capacity, buffer_rows=0):
     """Rows for the local experts [first_expert, first_expert + num_local).
 
     x [b, l, emb]; experts, positions [b, l, k]. Returns (rows [R, emb] sorted by expert, row [b*l*k]
     of every choice (R where the choice is not here: another device's expert, or dropped), group
-    sizes [num_local]). capacity=0: dropless, R = b*l*k (the worst case). capacity>0: `capacity` rows
-    per local expert and sequence, R = num_local * b * capacity; choices past the capacity are dropped.
+    sizes [num_local], dropped [1]: the choices for these experts that found no row). capacity=0: dropless,
+    R = b*l*k (the worst case) or `buffer_rows` when that is smaller (later choices in expert order
+    dropped). capacity>0: `capacity` rows per local expert and sequence, R = num_local * b * capacity;
+    choices past the capacity are dropped.
     """
     b, length, k = experts.shape
     token = jnp.arange(b * length * k) // k
     local = experts.reshape(-1) - first_expert
-    here = (local >= 0) & (local < num_local)
+    wanted = (local >= 0) & (local < num_local)
     if capacity:
-        positions = positions.reshape(-1)
-        here &= positions < capacity
         num_rows = num_local * b * capacity
-        row = (local * b + token // length) * capacity + positions
+        row = (local * b + token // length) * capacity + positions.reshape(-1)
+        here = wanted & (positions.reshape(-1) < capacity)
         sizes = jnp.full((num_local,), b * capacity, jnp.int32)
     else:
-        num_rows = b * length * k
-        key = jnp.where(here, local, num_local)  # not here: after every local group
+        num_rows = min(buffer_rows or b * length * k, b * length * k)
+        key = jnp.where(wanted, local, num_local)  # not here: after every local group
         row = jnp.argsort(jnp.argsort(key, stable=True))  # rank of each choice in expert order
-        sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+        here = wanted & (row < num_rows)
+        ends = jnp.minimum(jnp.cumsum(jnp.bincount(key, length=num_local + 1)[:num_local]), num_rows)
+        sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
     row = jnp.where(here, row, num_rows)
     token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row].set(token, mode="drop")
     filled = jnp.zeros((num_rows,), bool).at[row].set(True, mode="drop")
     rows = jnp.where(filled[:, None], x.reshape(-1, x.shape[-1])[token_of_row], 0)
-    return rows, row, sizes
+    return rows, row, sizes, jnp.sum(wanted & ~here, keepdims=True).astype(jnp.float32)
 
 
-def grouped_matmul(rows, w, sizes, capacity):
+def grouped_matmul(rows, w, sizes, capacity, kernel="xla"):
     """rows [R, k] x w [E, k, n] -> [R, n], row r multiplied by the expert whose group holds it (`sizes`
     [E] consecutive rows each). capacity > 0: every group has R / E rows (dispatch's layout), so this is one
-    batched GEMM; dropless: jax.lax.ragged_dot."""
+    batched GEMM; dropless: the grouped GEMM `kernel` (models/kernels.resolve)."""
     if capacity:
         experts = w.shape[0]
         out = jnp.einsum("egk,ekn->egn", rows.reshape(experts, -1, rows.shape[-1]), w)
         return out.reshape(-1, w.shape[-1])
-    return jax.lax.ragged_dot(rows, w, sizes)
+    return kernels.ragged_dot(rows, w, sizes, kernel)
 
 
 def combine(y_rows, row, gates):
@@ -157,10 +164,12 @@ def _spec(*dims):
 
 class ExpertExchange:
     """The dispatch / grouped matmul / combine steps, run per device over a parallel/expert.ExpertLayout (see
-    the module docstring), or directly when there is none (every expert local)."""
+    the module docstring), or directly when there is none (every expert local). `kernel`: the grouped GEMM
+    of dropless mode (models/kernels.resolve); `buffer_factor`: dropless rows per device = this x a balanced
+    step's (0: the worst case)."""
 
-    def __init__(self, layout, num_experts, capacity):
-        self.capacity = capacity
+    def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0):
+        self.capacity, self.kernel, self.buffer_factor, self.num_experts = capacity, kernel, buffer_factor, num_experts
         self.mesh = layout.mesh if layout is not None else None
         if layout is None:  # every expert local; the specs are not used
             self.ep = self.mlp = self.rows = ()
@@ -175,10 +184,13 @@ class ExpertExchange:
         self.rows = batch + length + (() if self.gather else self.ep)
         self.num_local = num_experts // logical.ways(layout.mesh, self.ep)
 
-    def _run(self, fn, in_specs, out_specs, *args):
+    def _run(self, fn, in_specs, out_specs, *args, kernel=False):
+        """`kernel`: fn calls the grouped-GEMM kernel, whose Pallas call cannot say how its output varies over
+        the mesh axes: the shard_map does not check that (check_vma=False; the specs say it)."""
         if self.mesh is None:
             return fn(*args)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+        check = not (kernel and self.kernel.startswith("tokamax"))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)(*args)
 
     def dispatch(self, x, experts, positions):
         def local(x, experts, positions):
@@ -187,30 +199,31 @@ class ExpertExchange:
                 first = jax.lax.axis_index(self.ep) * self.num_local
             if self.gather:
                 x, experts, positions = (jax.lax.all_gather(a, self.ep, tiled=True) for a in (x, experts, positions))
+            balanced = experts.size * self.num_local / self.num_experts  # this device's rows in a balanced step
             return dispatch(x, experts, positions, first_expert=first, num_local=self.num_local,
-                            capacity=self.capacity)
+                            capacity=self.capacity, buffer_rows=math.ceil(self.buffer_factor * balanced))
 
         if positions is None:
             positions = jnp.zeros_like(experts)
         rows = _spec(self.rows)
-        return self._run(local, (self.tokens,) * 3, (_spec(self.rows, ()), rows, rows), x, experts, positions)
+        return self._run(local, (self.tokens,) * 3, (_spec(self.rows, ()), rows, rows, rows), x, experts, positions)
 
     def matmul_in(self, rows, w, sizes):
         """rows [R, emb] x w [E, emb, mlp] -> [R, mlp]."""
         def local(rows, w, sizes):
-            return grouped_matmul(rows, w, sizes, self.capacity)
+            return grouped_matmul(rows, w, sizes, self.capacity, self.kernel)
 
         return self._run(local, (_spec(self.rows, ()), _spec(self.ep, (), self.mlp), _spec(self.rows)),
-                         _spec(self.rows, self.mlp), rows, w, sizes)
+                         _spec(self.rows, self.mlp), rows, w, sizes, kernel=True)
 
     def matmul_out(self, h, w, sizes):
         """h [R, mlp] x w [E, mlp, emb] -> [R, emb], summed over the mlp shards."""
         def local(h, w, sizes):
-            out = grouped_matmul(h, w, sizes, self.capacity)
+            out = grouped_matmul(h, w, sizes, self.capacity, self.kernel)
             return jax.lax.psum(out, self.mlp) if self.mlp else out
 
         return self._run(local, (_spec(self.rows, self.mlp), _spec(self.ep, self.mlp, ()), _spec(self.rows)),
-                         _spec(self.rows, ()), h, w, sizes)
+                         _spec(self.rows, ()), h, w, sizes, kernel=True)
 
     def combine(self, y_rows, row, gates):
         def local(y_rows, row, gates):
@@ -225,15 +238,17 @@ class ExpertExchange:
 
 
 @components.scoped(components.EXPERTS)
-def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, layout=None):
-    """sum over each token's chosen experts of gate * SwiGLU_expert(x) -> [b, l, emb] float32; `layout`: the
-    parallel/expert.ExpertLayout (None: every expert on this device)."""
-    ep = ExpertExchange(layout, wi_0.shape[0], capacity)
-    rows, row, sizes = ep.dispatch(x, experts, positions)
+def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, layout=None, kernel="xla",
+                   buffer_factor=0.0):
+    """(sum over each token's chosen experts of gate * SwiGLU_expert(x) -> [b, l, emb] float32, the number of
+    choices dropped); `layout`: the parallel/expert.ExpertLayout (None: every expert on this device); `kernel`,
+    `buffer_factor`: see ExpertExchange."""
+    ep = ExpertExchange(layout, wi_0.shape[0], capacity, kernel, buffer_factor)
+    rows, row, sizes, dropped = ep.dispatch(x, experts, positions)
     gate = names.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
     up = names.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
     out = names.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)
-    return ep.combine(out, row, gates)
+    return ep.combine(out, row, gates), dropped.sum()
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,10 +260,14 @@ class MoE(nnx.Module):
     load [E] (choices per expert), dropped (choices over capacity), balance (sequence-wise loss)."""
 
     def __init__(self, *, emb_dim, num_experts, top_k, mlp_dim, num_shared, n_groups, topk_groups, scaling,
-                 capacity_factor, param_dtype, compute_dtype, init_std, rngs, experts=None):
-        """experts: the parallel/expert.ExpertLayout the exchange runs over (None: every expert local)."""
+                 capacity_factor, param_dtype, compute_dtype, init_std, rngs, experts=None, kernel="auto",
+                 buffer_factor=0.0):
+        """experts: the parallel/expert.ExpertLayout the exchange runs over (None: every expert local, on the
+        CPU); kernel: `model.moe_kernel` (models/kernels.GROUPED_GEMM), resolved for the layout's devices;
+        buffer_factor: `model.moe_buffer_factor` (dropless rows per device over a balanced step's; 0 = all)."""
         self.top_k, self.n_groups, self.topk_groups, self.scaling = top_k, n_groups, topk_groups, scaling
-        self.layout = experts
+        self.layout, self.buffer_factor = experts, buffer_factor
+        self.kernel = kernels.resolve(kernel, kernels.platform(experts.mesh.devices.flat[0]) if experts else "cpu")
         self.capacity_factor, self.compute_dtype = capacity_factor, compute_dtype
         self.router = param(rngs, (emb_dim, num_experts), ("embed", None), param_dtype, init_std)
         self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32))
@@ -266,11 +285,12 @@ class MoE(nnx.Module):
                                        n_groups=self.n_groups, topk_groups=self.topk_groups, scaling=self.scaling)
         capacity = math.ceil(self.capacity_factor * length * self.top_k / num_experts)
         positions = capacity_positions(experts, num_experts) if capacity else None
-        out = routed_experts(x, experts, gates, positions, self.wi_0[...].astype(cdt), self.wi_1[...].astype(cdt),
-                             self.wo[...].astype(cdt), capacity, self.layout).astype(x.dtype)
+        out, dropped = routed_experts(x, experts, gates, positions, self.wi_0[...].astype(cdt),
+                                      self.wi_1[...].astype(cdt), self.wo[...].astype(cdt), capacity, self.layout,
+                                      self.kernel, self.buffer_factor)
+        out = out.astype(x.dtype)
         if self.shared is not None:
             out = out + self.shared(x)
-        stats = {"load": jax.nn.one_hot(experts, num_experts).sum((0, 1, 2)),
-                 "dropped": jnp.sum(positions >= capacity).astype(jnp.float32) if capacity else jnp.zeros(()),
+        stats = {"load": jax.nn.one_hot(experts, num_experts).sum((0, 1, 2)), "dropped": dropped,
                  "balance": sequence_balance_loss(scores, experts)}
         return logical.constrain(out, BATCH_LENGTH_EMBED), stats

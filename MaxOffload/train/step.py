@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models
+from MaxOffload.models import kernels
 from MaxOffload.models.stack import to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
@@ -154,7 +155,7 @@ class TrainSetup:
         """Lowers the real training step for abstract inputs; `lower(jitted, *args)` may replace
         `jitted.lower(*args)` (e.g. jax.export for another platform)."""
         jitted, args = self.jitted_train_step(), (self.abstract_state, self.abstract_batch())
-        with logical.activate(self.mesh, self.rules):
+        with logical.activate(self.mesh, self.rules), kernels.lowering(self.mesh.devices.flat[0]):
             return lower(jitted, *args) if lower else jitted.lower(*args)
 
     def compile_train_step(self):
@@ -163,7 +164,7 @@ class TrainSetup:
     def compile_eval_step(self):
         jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"],
                                                        self.state_shardings["model_state"], self.batch_shardings()))
-        with logical.activate(self.mesh, self.rules):
+        with logical.activate(self.mesh, self.rules), kernels.lowering(self.mesh.devices.flat[0]):
             return jitted.lower(self.abstract_state["params"], self.abstract_state["model_state"],
                                 self.abstract_batch()).compile()
 

@@ -1,0 +1,88 @@
+"""Maintained kernels behind the model's calls: the grouped GEMM of dropless MoE through tokamax (Google's
+kernel library, which MaxText's GPU MoE uses), XLA's own op where it is exact and cheap (CPU).
+
+Why a kernel: XLA's GPU compiler rewrites `jax.lax.ragged_dot` into a dense dot, the rows expanded over every
+expert (experts x the FLOPs, gigabytes of temporaries; ../shared/REFERENCE.md 2b). tokamax's Pallas-Triton
+`ragged_dot` is a grouped GEMM: one `__gpu$xla.gpu.triton` custom call per product (forward, d lhs, d rhs),
+temporaries in megabytes, and its work follows the group sizes. It compiles deviceless for H200 / GB200 when
+lowered with tokamax's cross_compile option on and, on jax >= 0.12, with the target GPU as the default
+device (`lowering`). Its "mosaic" implementation refuses a CPU process even then, so Triton it is.
+
+GROUPED_GEMM, the values of `model.moe_kernel`:
+    auto     tokamax on GPUs (deviceless compiles for GPU targets included), XLA elsewhere
+    xla      jax.lax.ragged_dot
+    tokamax  tokamax.ragged_dot: its Triton kernel on GPUs; on CPU its XLA implementation (same API and
+             custom VJP, so the model's tokamax path runs and is tested on CPU)
+"""
+import contextlib
+import logging
+
+import jax
+
+GROUPED_GEMM = ("auto", "xla", "tokamax")
+# tokamax's implementation per platform of the devices the step runs on
+TOKAMAX_IMPLEMENTATION = {"gpu": "triton", "cpu": "xla"}
+
+
+def platform(device):
+    """'gpu' | 'cpu' | ... of a device a step runs on (compile-only GPU devices say 'gpu')."""
+    return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+
+
+def resolve(choice, on):
+    """The grouped-GEMM kernel ('xla' | 'tokamax:<implementation>') for `model.moe_kernel=choice` on devices of
+    platform `on`."""
+    if choice == "auto":
+        choice = "tokamax" if on == "gpu" else "xla"
+    if choice == "tokamax":
+        return f"tokamax:{TOKAMAX_IMPLEMENTATION.get(on, 'xla')}"
+    return choice
+
+
+class _QuietMisses(logging.Filter):
+    """tokamax logs a WARNING for every kernel without an autotuned config and then uses its heuristics. A
+    deviceless compile can never autotune, so these would be one line per kernel of every compile."""
+
+    def filter(self, record):
+        return "Autotuning cache miss" not in record.getMessage()
+
+
+_tokamax = None
+
+
+def _import_tokamax():
+    global _tokamax
+    if _tokamax is None:
+        from absl import flags
+
+        # tokamax reads its options from absl flags and parses sys.argv itself when nothing has: not our argv
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        import tokamax
+
+        # skip tokamax's check that this process has the GPU it lowers for (the deviceless compile); it must hold
+        # for the whole trace, the custom VJP's backward included, so it is set once, not in a `with` block
+        flags.FLAGS["tokamax_cross_compile"].value = True
+        logging.getLogger("absl").addFilter(_QuietMisses())
+        _tokamax = tokamax
+    return _tokamax
+
+
+def ragged_dot(lhs, rhs, group_sizes, kernel):
+    """lhs [R, K] x rhs [E, K, N] -> [R, N]: row r times the group whose `group_sizes` [E] span holds it; rows
+    past sum(group_sizes) give zeros. `kernel`: from resolve()."""
+    if kernel == "xla":
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    out = _import_tokamax().ragged_dot(lhs, rhs, group_sizes, implementation=kernel.split(":", 1)[1])
+    # the Triton kernel writes only the rows inside the groups; the rest of its output is whatever the buffer
+    # held. Zero them, as jax.lax.ragged_dot does, so no consumer can ever see stale values (a fused select)
+    inside = jax.numpy.arange(lhs.shape[0]) < group_sizes.sum()
+    return jax.numpy.where(inside[:, None], out, 0).astype(out.dtype)
+
+
+def lowering(device):
+    """Context for lowering a step for the devices of `device`'s kind: for GPUs this process does not have (the
+    deviceless compile), Pallas-Triton reads the target GPU's kind from the default device (jax >= 0.12)."""
+    if platform(device) == "gpu" and jax.default_backend() != "gpu":
+        return jax.default_device(device)
+    return contextlib.nullcontext()
