@@ -7,9 +7,9 @@ Counted, per device and step:
   - while loops: their body x the trip count XLA proved (`known_trip_count`); a loop without one is counted
     once and listed in `unknown_trip_counts`;
   - cuBLAS GEMM custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`), from their dot dimension numbers;
-  - tokamax kernels (a Triton custom call whose op name carries tokamax's JSON of the op and its arguments):
-    from those argument shapes (KERNEL_FLOPS), the work of the whole buffer — an upper bound where a
-    grouped GEMM skips the rows past its groups;
+  - tokamax kernels: from the shapes in tokamax's JSON of the op and its arguments (in the op name or
+    metadata_payload; KERNEL_FLOPS), or else from the Triton kernel's name and operand shapes (TRITON_KERNELS):
+    the work of the whole buffer — an upper bound where a grouped GEMM skips the rows past its groups;
   - conditionals: the most expensive branch.
 Other kernels whose FLOPs the HLO cannot show (Triton / cuDNN / Mosaic custom calls) are listed by target.
 
@@ -149,6 +149,25 @@ def _ragged_dot_flops(arguments):
 
 # tokamax op class name (its last part, lowercased, containing) -> FLOPs of one call from its arguments
 KERNEL_FLOPS = {"raggeddot": _ragged_dot_flops}
+# Where the op JSON is not in the metadata (jax 0.12 drops it inside shard_map / loops), the Triton kernel's own
+# name in the backend config says which it is: (tokamax op, FLOPs from (operand dims, output dims)). Both of
+# tokamax's ragged_dot kernels take 2 x (first operand's elements) x the output's last dimension:
+# [R, K] x [E, K, N] -> [R, N] and the weight gradient [R, K] x [R, N] -> [E, K, N].
+TRITON_KERNELS = {"_ragged_dot_kernel": ("PallasTritonRaggedDot", lambda ops, out: 2 * math.prod(ops[0]) * out[-1]),
+                  "_ragged_contracting_dim_dot_kernel": ("PallasTritonRaggedDot",
+                                                         lambda ops, out: 2 * math.prod(ops[0]) * out[-1])}
+
+
+def triton_flops(ins):
+    """(tokamax op, FLOPs of one call) of a Triton custom call by its kernel's name and operand shapes, or None."""
+    name = re.search(r'[{,]\s*name = "([^"]+)"', ins.attributes)
+    start = ins.attributes.find("operand_layout_constraints={")
+    if not name or name.group(1) not in TRITON_KERNELS or start < 0:
+        return None
+    start += len("operand_layout_constraints=")
+    operands = [dims(p) for p in _split_top(ins.attributes[start + 1:_balanced(ins.attributes, start) - 1])]
+    op, flops = TRITON_KERNELS[name.group(1)]
+    return op, flops(operands, dims(ins.shape))
 
 
 def kernel_flops(op_name):
@@ -265,7 +284,7 @@ def count(text):
             elif ins.opcode == "custom-call":
                 target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
                 target = target.group(1) if target else "?"
-                kernel = kernel_flops(ins.payload) or kernel_flops(ins.op_name)
+                kernel = kernel_flops(ins.payload) or kernel_flops(ins.op_name) or triton_flops(ins)
                 if target.startswith(GEMM_TARGETS):
                     axes = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
                     axes = [int(a.strip('" ')) for a in axes.group(1).split(",") if a.strip('" ')] if axes else []

@@ -82,6 +82,54 @@ def test_a_written_module_is_counted_by_hand():
     assert padded["warnings"] == []
 
 
+# tokamax's Triton ragged_dot as jax 0.10 prints it (the op JSON in op_name) and as jax 0.12 does
+# (metadata_payload); lhs [64, 32] x rhs [4, 32, 16] grouped: 2 x 64 x 32 x 16 = 65,536 FLOPs per call
+_RAGGED = ('{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.ragged_dot.pallas_triton.PallasTritonRaggedDot\\"},'
+           '\\"arguments\\":{\\"lhs\\":\\"bf16[64,32]\\",\\"rhs\\":\\"bf16[4,32,16]\\",'
+           '\\"ragged_dot_dimension_numbers\\":{\\"dot_dimension_numbers\\":[[[1],[1]],[[],[]]],'
+           '\\"lhs_ragged_dimensions\\":[0],\\"rhs_group_dimensions\\":[0]}}}')
+# ... and its weight gradient: lhs [64, 32], rhs (the output gradient) [64, 16], contracted over the rows
+_RAGGED_DRHS = _RAGGED.replace("bf16[4,32,16]", "bf16[64,16]").replace("[[[1],[1]]", "[[[0],[0]]").replace(
+    '\\"rhs_group_dimensions\\":[0]', '\\"rhs_group_dimensions\\":[]')
+KERNEL_MODULE = f"""HloModule jit_step
+
+%fused_dot.7 (p0: f32[4,8], p1: f32[8,2]) -> f32[4,2] {{
+  %p0 = f32[4,8]{{1,0}} parameter(0)
+  %p1 = f32[8,2]{{1,0}} parameter(1)
+  ROOT %dot.9 = f32[4,2]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/unembed/dot_general"}}
+}}
+
+ENTRY %main (x: bf16[64,32], w: bf16[4,32,16], s: s32[4]) -> bf16[64,16] {{
+  %x = bf16[64,32]{{1,0}} parameter(0)
+  %w = bf16[4,32,16]{{2,1,0}} parameter(1)
+  %s = s32[4]{{0}} parameter(2)
+  %pallas_call = bf16[64,16]{{1,0}} custom-call(%x, %w, %s), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="jit(step)/routed_experts/tokamax:{_RAGGED}/pallas_call" source_file="k.py"}}
+  %pallas_call.1 = bf16[4,32,16]{{2,1,0}} custom-call(%x, %x, %s), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="jit(step)/transpose(jvp(routed_experts))/pallas_call" metadata_payload="tokamax:{_RAGGED_DRHS}"}}
+  %pallas_call.2 = bf16[64,32]{{1,0}} custom-call(%y, %w, %s), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={{bf16[64,16]{{1,0}}, bf16[4,16,32]{{2,1,0}}, s32[4]{{0}}}}, metadata={{op_name="jit(step)/transpose(jvp(routed_experts))/shard_map/pallas_call" scheduling_name="pallas_call.2"}}, backend_config={{debug = false, grid_x = 3 : i32, ir = "ML\\EFR\\00", name = "_ragged_dot_kernel", num_stages = 4 : i32}}
+  %a = f32[4,8]{{1,0}} parameter(3)
+  %b = f32[8,2]{{1,0}} parameter(4)
+  %fusion.7 = f32[4,2]{{1,0}} fusion(%a, %b), kind=kOutput, calls=%fused_dot.7
+  ROOT %fusion.7.remat = f32[4,2]{{1,0}} fusion(%a, %b), kind=kOutput, calls=%fused_dot.7
+}}
+"""
+
+
+def test_tokamax_kernels_are_counted_from_their_shapes_and_xla_remat_clones_are_recompute():
+    c = audit.count(KERNEL_MODULE)
+    got = sorted((m.kind, m.component, m.phase, m.flops) for m in c.matmuls)
+    assert got == sorted([
+        ("PallasTritonRaggedDot", components.EXPERTS, "forward", 65536),  # the JSON in the op name (jax 0.10)
+        ("PallasTritonRaggedDot", components.EXPERTS, "backward", 65536),  # in metadata_payload (jax 0.12)
+        ("PallasTritonRaggedDot", components.EXPERTS, "backward", 65536),  # by the Triton kernel's name (no JSON)
+        ("dot", components.UNEMBED, "forward", 128),
+        ("dot", components.UNEMBED, "recompute", 128),  # inside the fusion XLA's rematerialization cloned
+    ])
+    assert c.counted_kernels == {"PallasTritonRaggedDot": 3} and c.kernels == {} and c.dense_ragged_dots == []
+    report = audit.audit(KERNEL_MODULE, {components.EXPERTS: 3 * 65536, components.UNEMBED: 128})
+    assert report["recompute_flops"] == 128 and report["warnings"] == []
+    assert any(line.startswith("  kernels counted from their shapes") for line in audit.format_audit(report))
+
+
 def test_a_compiled_scan_with_remat_is_counted_exactly():
     """XLA:CPU's optimized module (operands printed without shapes: read from the defining instructions)."""
     def layer(x, w):
