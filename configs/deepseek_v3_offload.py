@@ -34,13 +34,16 @@ def get_config(size="671b"):
         cfg.remat.tensors[name] = "device"
     add_layer_group(cfg, "moe", layers="moe", moe_mlpwi_0="offload", moe_mlpwi_1="offload", moe_mlpwo="device")
     if size == "671b":
-        # Fit on 128 GB200s with this MoE dispatch (python -m MaxOffload.aot ... --topology 2x16x4: 118.5 GiB
-        # HBM of 165.9 usable, 60.3 GiB host, 1.34x the model FLOPs compiled). Dropless, the all-gather dispatch
-        # sizes its buffers for the worst case (8x a balanced step at EP8) and nothing fits (431.5 GiB; and
-        # XLA's dense ragged_dot: 126x the model FLOPs); a capacity of 1.25x the balanced load bounds them
-        # (dropped tokens are counted in moe/dropped_fraction). Then the routed experts' output and the
-        # attention output/projection go to the host too.
-        cfg.model.capacity_factor = 1.25
+        # Fit on 128 GB200s (python -m MaxOffload.aot ... --topology 2x16x4: 119.0 GiB HBM of 165.9 usable,
+        # 60.3 GiB host, 1.34x the model FLOPs compiled). Dropless, through tokamax's grouped GEMM on GPUs
+        # (model.moe_kernel=auto). The all-gather dispatch would size its rows buffer for the worst case (8x a
+        # balanced step at EP8: 130.1 GiB HBM, but 329.4 GiB of offloaded expert activations per GPU, more
+        # than the host has); a buffer of 1.25x the balanced rows of each device bounds it. Only the choices
+        # past a device's 1.25x — its 32 experts together, over the whole batch — are dropped (counted in
+        # moe/dropped_fraction): far fewer than a capacity of 1.25 per expert and sequence, at the same memory.
+        # Then the routed experts' output and the attention output/projection go to the host too.
+        cfg.model.capacity_factor = 0.0
+        cfg.model.moe_buffer_factor = 1.25
         for name in ("moe_mlpwo", "attention_out", "out_proj"):
             cfg.remat.groups.moe.tensors[name] = "offload"
         cfg.mesh.ici.expert = 8

@@ -1,0 +1,170 @@
+"""The routed experts' grouped matmuls, implementation by implementation, side by side in one run:
+python benchmarks/moe_kernels.py [--target gb200] [--tokens 4096,8192] [--output_dir DIR]
+
+DeepSeek-V3's expert shapes at EP8: 32 local experts, emb 7168, moe_mlp 2048; a device's rows for one MoE layer
+are the balanced share of the gathered choices (batch 1 x tokens x top-8 per device, all-gathered over 8 expert
+ranks, 1/8 of them on this device's experts) times 1.25: the capacity factor of capacity mode, the dispatch
+buffer (model.moe_buffer_factor) of dropless mode. One MoE layer's expert block, forward + backward: gate and up
+[rows, 7168] x [32, 7168, 2048], down [rows, 2048] x [32, 2048, 7168], each through models/moe.grouped_matmul:
+
+    capacity    batched GEMM over [experts, capacity rows, emb] (capacity mode)
+    xla         jax.lax.ragged_dot (dropless; XLA's GPU compiler makes it a dense dot over every expert)
+    tokamax     tokamax's ragged_dot: its Pallas-Triton grouped GEMM on GPUs (dropless, model.moe_kernel=auto)
+
+For each: compiled matmul FLOPs (the audit's count; the kernel's from its shapes), temporaries and argument
+bytes per device, from the deviceless compile for --target; the ideal is 2 x balanced rows x emb x moe_mlp x 3
+matmuls x 3 (forward, two gradients). Then CPU time of each on a small shape (rows 2048, 8 experts, emb 256,
+moe_mlp 128; median of 5 after a warm-up, all in this one process): on CPU tokamax runs its XLA implementation
+behind the same call, as the Triton kernel cannot run here. Writes DIR/moe_kernels.json, .md and .png.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
+
+LOCAL_EXPERTS, EMB, MOE_MLP, TOP_K, EP = 32, 7168, 2048, 8, 8
+FACTOR = 1.25
+IMPLEMENTATIONS = ("capacity", "xla", "tokamax")
+SMALL = dict(rows=2048, experts=8, emb=256, mlp=128)
+
+
+def expert_block(impl, on):
+    """loss(rows, wi_0, wi_1, wo, sizes) of one expert SwiGLU block through `impl`, for devices of platform `on`."""
+    import jax
+    import jax.numpy as jnp
+
+    from MaxOffload.models import kernels, moe
+
+    kernel = "xla" if impl == "capacity" else kernels.resolve("xla" if impl == "xla" else "tokamax", on)
+
+    def loss(rows, wi_0, wi_1, wo, sizes):
+        capacity = rows.shape[0] // wi_0.shape[0] if impl == "capacity" else 0
+        mm = lambda a, w: moe.grouped_matmul(a, w, sizes, capacity, kernel)  # noqa: E731
+        h = jax.nn.silu(mm(rows, wi_0)) * mm(rows, wi_1)
+        return jnp.sum(mm(h, wo).astype(jnp.float32))
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))  # the value too: every forward matmul is live
+
+
+def compiled(impl, tokens, devices):
+    """(compiled matmul FLOPs, ideal FLOPs, temp bytes, argument bytes) of one expert block on one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from MaxOffload import audit
+    from MaxOffload.models import kernels
+
+    balanced = tokens * TOP_K * EP // EP  # gathered choices over the 8 ranks, 1/8 of them local
+    rows = int(FACTOR * balanced) // LOCAL_EXPERTS * LOCAL_EXPERTS
+    mesh = jax.sharding.Mesh(devices[:1], ("x",))
+    s = NamedSharding(mesh, PartitionSpec())
+    shape = lambda *d, dt=jnp.bfloat16: jax.ShapeDtypeStruct(d, dt, sharding=s)  # noqa: E731
+    args = (shape(rows, EMB), shape(LOCAL_EXPERTS, EMB, MOE_MLP), shape(LOCAL_EXPERTS, EMB, MOE_MLP),
+            shape(LOCAL_EXPERTS, MOE_MLP, EMB), shape(LOCAL_EXPERTS, dt=jnp.int32))
+    with kernels.lowering(devices[0]):
+        c = jax.jit(expert_block(impl, kernels.platform(devices[0]))).lower(*args).compile()
+    m = c.memory_analysis()
+    ideal = 2 * balanced * EMB * MOE_MLP * 3 * 3
+    return {"rows": rows, "balanced_rows": balanced, "compiled_flops": audit.count(c.as_text()).total,
+            "ideal_flops": ideal, "temp_bytes": m.temp_size_in_bytes, "argument_bytes": m.argument_size_in_bytes}
+
+
+def cpu_time(impl):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    r, e, d, n = SMALL["rows"], SMALL["experts"], SMALL["emb"], SMALL["mlp"]
+    rng = np.random.default_rng(0)
+    arrays = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((r, d), (e, d, n), (e, d, n), (e, n, d))]
+    sizes = jnp.full((e,), r // e, jnp.int32)
+    f = jax.jit(expert_block(impl, "cpu"))
+    jax.block_until_ready(f(*arrays, sizes))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*arrays, sizes))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def chart(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_flops, ax_temp) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [f"{r['impl']}\n{r['tokens']} tok" for r in rows]
+    ax_flops.bar(labels, [r["compiled_flops"] / r["ideal_flops"] for r in rows], color="tab:blue")
+    ax_flops.axhline(FACTOR, color="gray", linestyle="--", linewidth=1)
+    ax_flops.set_ylabel("compiled / ideal matmul FLOPs")
+    ax_flops.set_yscale("log")
+    ax_temp.bar(labels, [r["temp_bytes"] / 2**30 for r in rows], color="tab:orange")
+    ax_temp.set_ylabel("temporaries per device (GiB)")
+    ax_temp.set_yscale("log")
+    for ax in (ax_flops, ax_temp):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("DeepSeek-V3 routed experts at EP8, one MoE layer fwd+bwd (deviceless)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@tool
+def main(argv):
+    from MaxOffload import cli
+
+    argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS, options={"--tokens": "4096,8192"})
+    from MaxOffload.platform import use_cpu_runtime
+
+    use_cpu_runtime()
+    from MaxOffload.config import ConfigError, load
+    from MaxOffload.deviceless import compile_only_devices, require_plugin
+
+    try:
+        tokens = [int(t) for t in options["--tokens"].split(",")]
+    except ValueError:
+        raise ConfigError(f"--tokens takes comma-separated integers, got {options['--tokens']!r}") from None
+    cfg = load(["configs/deepseek_v3.py:small", *argv])
+    require_plugin()
+    devices = compile_only_devices(cfg.aot.target, "1x1x1")
+    rows = []
+    for n in tokens:
+        for impl in IMPLEMENTATIONS:
+            print(f"compiling {impl} at {n} tokens for {cfg.aot.target} (deviceless) ...", flush=True)
+            rows.append({"impl": impl, "tokens": n, **compiled(impl, n, devices)})
+    cpu = {impl: cpu_time(impl) for impl in IMPLEMENTATIONS}
+    lines = [f"DeepSeek-V3 routed experts, EP8 ({LOCAL_EXPERTS} local experts, emb {EMB}, moe_mlp {MOE_MLP}), "
+             f"one MoE layer forward + backward on one {cfg.aot.target} (deviceless); rows = {FACTOR} x balanced",
+             "", "| implementation | tokens/device | rows | compiled TFLOP | / ideal | temporaries | arguments |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['impl']} | {r['tokens']} | {r['rows']} | {r['compiled_flops'] / 1e12:.2f} | "
+                     f"{r['compiled_flops'] / r['ideal_flops']:.2f}x | {r['temp_bytes'] / 2**20:,.0f} MiB | "
+                     f"{r['argument_bytes'] / 2**20:,.0f} MiB |")
+    base = cpu["capacity"]
+    lines += ["", f"CPU time, rows {SMALL['rows']}, {SMALL['experts']} experts, emb {SMALL['emb']}, moe_mlp "
+              f"{SMALL['mlp']}, float32, fwd + bwd (median of 5, one process; tokamax = its XLA implementation "
+              "on CPU):", "", "| implementation | ms | vs capacity |", "|---|---|---|"]
+    lines += [f"| {impl} | {t * 1e3:.2f} | {t / base:.2f}x |" for impl, t in cpu.items()]
+    print("\n".join(lines))
+    out = cfg.run.output_dir
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "moe_kernels.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "moe_kernels.json"), "w") as f:
+        json.dump({"target": cfg.aot.target, "factor": FACTOR, "rows": rows, "cpu_seconds": cpu, "small": SMALL},
+                  f, indent=1)
+    chart(rows, os.path.join(out, "moe_kernels.png"))
+    print(f"wrote {os.path.join(out, 'moe_kernels.md')}, .json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
