@@ -2,16 +2,31 @@
 import json
 import os
 
+from MaxOffload.errors import ConfigError
+
 
 def write_json(path, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
+    """Written whole or not at all: a temporary file renamed over the old one (a crash or a full disk never
+    leaves half a file)."""
+    tmp = f"{path}.partial"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def publish(cfg, filename, report, text):
-    """Writes <run.output_dir>/<filename>, then prints the report's text and the path."""
+    """Prints the report's text, then writes <run.output_dir>/<filename> and says where; a file that cannot be
+    written is one ConfigError line after the complete report."""
     path = os.path.join(cfg.run.output_dir, filename)
-    write_json(path, report)
-    print(text)
+    print(text, flush=True)
+    try:
+        write_json(path, report)
+    except OSError as e:
+        raise ConfigError(f"could not write {path} ({e.strerror}); the report above is complete: give a writable "
+                          "run.output_dir to keep it as JSON") from None
     print(f"wrote {path}")

@@ -106,8 +106,26 @@ def flags_for(xla_cfg):
     return flags
 
 
+def check_environment():
+    """The flags already in the environment's XLA_FLAGS, checked like xla.extra_flags: XLA aborts the process
+    on an unknown one when the backend starts (a fatal log, exit 1); this is one line, exit 2, before that."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if not flags:
+        return
+    known = accepted(flags)
+    for flag in flags:
+        if not known[flag]:
+            import jaxlib
+
+            raise ConfigError(f"XLA_FLAGS (from the environment) holds {flag}, which the installed jaxlib "
+                              f"{jaxlib.__version__} does not know; fix its spelling or remove it (XLA renames "
+                              "flags between releases)")
+
+
 def apply(cfg):
-    """Adds the configured flags to XLA_FLAGS; call before JAX's backend starts. Returns the flags."""
+    """Checks the environment's XLA_FLAGS and adds the configured flags to it; call before JAX's backend
+    starts. Returns the added flags."""
+    check_environment()
     if cfg.xla.preset == "baseline" and not cfg.xla.extra_flags:
         return []
     flags = flags_for(cfg.xla)

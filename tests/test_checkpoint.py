@@ -232,6 +232,18 @@ def test_load_params_from_another_run(tmp_path):
     assert bad.returncode == 2 and "no checkpoint there" in bad.stderr
 
 
+def test_a_non_finite_first_step_saves_nothing_and_names_no_later_step(tmp_path):
+    """Weights so large that step 1's loss overflows: nothing was good, so nothing is saved (no checkpoint
+    named 1 or 2), and only step 1 is logged."""
+    args = [*TINY, "train.steps=6", "model.init_std=1e30", f"run.output_dir={tmp_path}"]
+    result = run_cli(["train.py", *args])
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: step 1: non-finite") and "nothing to save" in line, line
+    assert sorted(losses(tmp_path)) == [1]
+    assert not os.path.exists(tmp_path / "checkpoints") or os.listdir(tmp_path / "checkpoints") == []
+
+
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_non_finite_steps(tmp_path, mode):
     # an absurd learning rate overflows the weights within a few steps
@@ -243,10 +255,16 @@ def test_non_finite_steps(tmp_path, mode):
         assert result.returncode == 1, result.stdout + result.stderr
         assert result.stderr.strip().startswith("error: step") and "non-finite" in result.stderr
         bad = max(logged)
-        assert len(os.listdir(tmp_path / "checkpoints")) == 1
+        # saved under the last good step, holding that step's state; the step queued after the bad one is
+        # neither logged nor saved
+        assert os.listdir(tmp_path / "checkpoints") == [str(bad - 1)] and bad > 1
+        assert f"saving the last good state, step {bad - 1}" in result.stderr
         with open(tmp_path / "metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
         assert rows[-1]["nonfinite"] == 1.0 and all(r["nonfinite"] == 0.0 for r in rows[:-1]), bad
+        assert sorted(logged) == list(range(1, bad + 1))
+        resumed = run_cli(["train.py", *args, "train.on_nonfinite=skip"])  # resumes from the last good step
+        assert resumed.returncode == 0 and f"(step {bad - 1})" in resumed.stdout, resumed.stderr[-2000:]
     else:
         assert result.returncode == 0, result.stderr
         summary = json.loads((tmp_path / "summary.json").read_text())

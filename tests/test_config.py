@@ -293,6 +293,7 @@ def _error_cases(tmp):
         "config_returns_dict": ([returns_dict], ["returns_dict.py", "ConfigDict"]),
         "config_unknown_size_arg": (["configs/llama3_1.py:huge", "run.dry_run=true"], ["huge", "405b"]),
         "config_sets_unknown_key": ([unknown_key], ["unknown_key.py", "emb_dimm"]),
+        "aot_topology_zeros": (dry + ["aot.topology=0x0x0"], ["aot.topology='0x0x0'", "at least 1"]),
     }
 
 
@@ -370,6 +371,18 @@ def test_help_short_flag(cli):
     assert "train.steps" in result.stdout
 
 
+def test_an_unknown_flag_in_the_environments_xla_flags_is_one_line(tmp_path):
+    """XLA itself would abort at backend start with a fatal log (exit 1); the environment's XLA_FLAGS are
+    checked like xla.extra_flags, and the known ones pass."""
+    from conftest import run_cli
+
+    argv = ["train.py", TINY, "run.dry_run=true", f"run.output_dir={tmp_path}"]
+    bad = run_cli(argv, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_no_such_flag=true"})
+    assert_user_error(bad, "XLA_FLAGS", "--xla_no_such_flag=true", "environment")
+    good = run_cli(argv, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert good.returncode == 0 and "on 2 x cpu" in good.stdout, good.stderr[-2000:]
+
+
 def test_resolved_config_saved_and_reloadable(cli, tmp_path, two_text_files):
     a, b = two_text_files
     out = tmp_path / "run"
@@ -377,8 +390,9 @@ def test_resolved_config_saved_and_reloadable(cli, tmp_path, two_text_files):
                   "--config.train.steps=7", "train.warmup_steps=2", "model.num_layers=3", f"data.text_files={a},{b}",
                   "train.learning_rate=1e-3"])
     assert result.returncode == 0, result.stderr
-    with open(out / "config.json") as f:
-        saved = json.load(f)
+    assert not os.path.exists(out / "config.json")  # a dry run writes only its own file
+    with open(out / "dry_run.json") as f:
+        saved = json.load(f)["config"]
     assert saved["train"]["steps"] == 7
     assert saved["train"]["warmup_steps"] == 2
     assert saved["model"]["num_layers"] == 3

@@ -346,6 +346,26 @@ def test_text_source_and_prepared_directory_give_identical_batches(tmp_path):
             np.testing.assert_array_equal(left[key], right[key])
 
 
+def test_a_failed_reprepare_leaves_the_old_dataset_as_it_was(tmp_path, corpus):
+    """Re-preparing into a directory that holds a dataset, from input that turns out broken on its last line:
+    the error is the usual one line, and the old dataset is untouched and still valid (nothing is staged)."""
+    out = str(tmp_path / "data")
+    prepare.prepare(corpus["inputs"], out, progress_interval=0)
+    before = {f: open(os.path.join(out, f), "rb").read() for f in ("meta.json", "tokens.bin", "documents.npy")}
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"text": "a new document"}) + "\n{\"text\": \"unclosed\n")
+    with pytest.raises(prepare.PrepareError, match="broken.jsonl:2"):
+        prepare.prepare([str(broken)], out, progress_interval=0)
+    assert {f: open(os.path.join(out, f), "rb").read() for f in before} == before
+    assert tokenized.read_meta(out)["num_tokens"] == json.loads(before["meta.json"])["num_tokens"]
+    assert sorted(os.listdir(out)) == sorted(before)  # no staging directory left behind
+    new = tmp_path / "new.jsonl"
+    new.write_text(json.dumps({"text": "a new document"}) + "\n" + json.dumps({"text": "and another one"}) + "\n")
+    meta = prepare.prepare([str(new)], out, progress_interval=0)  # a good re-prepare replaces it
+    assert tokenized.read_meta(out)["num_documents"] == meta["num_documents"] == 2
+    assert sorted(os.listdir(out)) == sorted(before)
+
+
 def test_too_few_tokens_for_seq_len_is_a_config_error(prepared):
     from MaxOffload.config import ConfigError
 
@@ -391,6 +411,10 @@ def _cli_cases(tmp, corpus, tokenizer_files, prepared):
     with open(os.path.join(prepared["byte"][0], "tokens.bin"), "rb") as src, \
             open(os.path.join(truncated, "tokens.bin"), "wb") as dst:
         dst.write(src.read()[:-10])
+    surrogate = write("surrogate.jsonl", json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "a\ud800b"}) + "\n")
+    edited = {name: _edited(prepared["byte"][0], tmp, name, **change) for name, change in (
+        ("dtype_edited", {"dtype": "float16"}), ("negative_train_tokens", {"train_tokens": -5}),
+        ("vocab_edited", {"vocab_size": 100}))}
     hf_dir = prepared["hf"][0]
     dry = TRAIN + ["run.dry_run=true", "data.source=tokens"]
     return {
@@ -414,6 +438,7 @@ def _cli_cases(tmp, corpus, tokenizer_files, prepared):
         "missing_field": (PREPARE + [no_field, "--out", out], ["no_field.jsonl:2", "'text'", "--jsonl_field"]),
         "field_not_string": (PREPARE + [not_str, "--out", out], ["not_str.jsonl:1", "int"]),
         "not_utf8": (PREPARE + [latin1, "--out", out], ["latin1.txt", "UTF-8"]),
+        "lone_surrogate": (PREPARE + [surrogate, "--out", out], ["surrogate.jsonl:2", "lone surrogate"]),
         "eval_fraction_out_of_range": (PREPARE + [good, "--out", out, "--eval_fraction", "1.5"], ["--eval_fraction"]),
         "no_out": (PREPARE + [good], ["--out"]),
         # train.py with data.source=tokens
@@ -423,7 +448,25 @@ def _cli_cases(tmp, corpus, tokenizer_files, prepared):
         "train_path_truncated": (dry + [f"data.path={truncated}"], ["tokens.bin", "prepare"]),
         "train_vocab_too_small": (dry + [f"data.path={hf_dir}", "model.vocab_size=299"],
                                   ["model.vocab_size=299", "300"]),
+        # an edited meta.json: uint16 tokens read as float16, the held-out documents counted as training, a
+        # vocabulary smaller than the ids in tokens.bin
+        "meta_dtype_edited": (dry + [f"data.path={edited['dtype_edited']}"], ["dtype float16", "uint16", "edited"]),
+        "meta_negative_train_tokens": (dry + [f"data.path={edited['negative_train_tokens']}"],
+                                       ["train_tokens -5", "edited"]),
+        "meta_vocab_edited": (dry + [f"data.path={edited['vocab_edited']}"], ["token id", "vocab_size 100"]),
     }
+
+
+def _edited(src, tmp, name, **changes):
+    """A copy of the prepared directory `src` whose meta.json has `changes`."""
+    dst = os.path.join(tmp, name)
+    os.makedirs(dst)
+    for f in ("tokens.bin", "documents.npy"):
+        _copy(os.path.join(src, f), dst, f)
+    meta = json.load(open(os.path.join(src, "meta.json")))
+    meta.update(changes)
+    json.dump(meta, open(os.path.join(dst, "meta.json"), "w"))
+    return dst
 
 
 def _copy(src, tmp, name):
@@ -456,8 +499,10 @@ def cli_runs(corpus, tokenizer_files, prepared, tmp_path_factory):
                                   "tokenizer_missing", "tokenizer_corrupt_json", "tokenizer_corrupt_model",
                                   "tokenizer_wrong_kind", "tokenizer_json_given_sp_model", "unwritable_output",
                                   "bad_jsonl_line", "missing_field", "field_not_string", "not_utf8",
-                                  "eval_fraction_out_of_range", "no_out", "train_path_missing", "train_path_empty",
-                                  "train_path_not_prepared", "train_path_truncated", "train_vocab_too_small"])
+                                  "lone_surrogate", "eval_fraction_out_of_range", "no_out", "train_path_missing",
+                                  "train_path_empty", "train_path_not_prepared", "train_path_truncated",
+                                  "train_vocab_too_small", "meta_dtype_edited", "meta_negative_train_tokens",
+                                  "meta_vocab_edited"])
 def test_bad_input_is_one_line_and_exit_2(cli_runs, case):
     result, words = cli_runs["results"][case], cli_runs["cases"][case][1]
     lines = result.stderr.strip().splitlines()

@@ -551,7 +551,7 @@ def test_dry_run_671b(cli, tmp_path):
     seconds = time.perf_counter() - started
     assert result.returncode == 0, result.stderr
     assert seconds < 60, f"dry run took {seconds:.0f} s"
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "dry_run.json").read_text())["summary"]
     assert summary["params_total"] == 671_026_404_352
     assert summary["model_flops_per_step"] == pytest.approx(
         6 * 4096 * models.model_config(load(["configs/deepseek_v3.py:671b"])).matmul_params_per_token()
@@ -562,7 +562,7 @@ def test_offload_recipe_fits_128_devices_fsdp16_ep8(background):
     code, out, err = background.result("recipe_128")
     assert code == 0, err
     assert "fsdp=16 x expert=8" in out
-    summary = json.load(open(os.path.join(background.tmp, "recipe", "summary.json")))
+    summary = json.load(open(os.path.join(background.tmp, "recipe", "dry_run.json")))["summary"]
     # fp32 params + Adam: 12 bytes per parameter, split 128 ways (norms and router biases aside)
     assert summary["state_bytes_per_device"] == pytest.approx(12 * 671.03e9 / 128, rel=0.01)
 

@@ -434,7 +434,7 @@ def test_dry_run_405b(cli, tmp_path):
     elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stdout + result.stderr
     assert elapsed < 30, f"dry run took {elapsed:.1f} s"
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "dry_run.json").read_text())["summary"]
     params = summary["params_total"]
     assert params == pytest.approx(405.9e9, rel=0.01)
     # fp32 params + Adam mu and nu = 12 bytes per parameter on the single CPU device

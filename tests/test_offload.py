@@ -757,3 +757,18 @@ def test_bytes_per_device_on_two_devices_tensor_parallel(two_devices):
     assert group["tensors"][WI0]["bytes_per_device_per_step"] == 4 * 32 * 88 * 4 * 2 == 90112
     assert group["tensors"][Q]["bytes_per_device_per_step"] == 4 * 32 * 2 * 16 * 4 * 2 == 32768
     assert group["offload_bytes_per_device"] == 90112 + 32768
+
+
+def test_a_report_that_cannot_be_written_is_printed_first_then_one_line(tmp_path):
+    """offload.inspect into a directory where offload_report.json cannot be written (a directory holds its
+    name; permissions would not stop root): the whole report on stdout, then one error line, exit 2."""
+    from conftest import run_cli
+
+    out = tmp_path / "inspect"
+    (out / "offload_report.json").mkdir(parents=True)
+    result = run_cli(["-m", "MaxOffload.offload.inspect", *TINY, "remat.policy=minimal_offloaded",
+                      f"run.output_dir={out}", "--no_cpu_memory"])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert lines[0].startswith(f"error: could not write {out / 'offload_report.json'}") and "above" in lines[0]
+    assert "placements" in result.stdout  # the report came first, whole

@@ -52,7 +52,7 @@ def test_dry_run_state_bytes_follow_the_mesh(tmp_path):
         result = run_cli(["train.py", "configs/llama3_1.py:8b", "run.dry_run=true", f"run.output_dir={out}", *mesh],
                          env=EIGHT)
         assert result.returncode == 0, result.stderr
-        sizes[name] = json.loads((out / "summary.json").read_text())["state_bytes_per_device"]
+        sizes[name] = json.loads((out / "dry_run.json").read_text())["summary"]["state_bytes_per_device"]
     assert sizes["data8"] / sizes["fsdp8"] == pytest.approx(8, rel=0.001)
 
 

@@ -187,3 +187,25 @@ def test_overlap_cli_json_and_missing_trace(profiled, cli, tmp_path):
     data = json.loads(result.stdout)
     assert data["verdict"].startswith("overlap") and "collectives" in data["verdict"]
     assert cli(["-m", "MaxOffload.profile.overlap", str(tmp_path)]).returncode == 2
+
+
+def test_overlap_cli_on_a_damaged_trace_or_an_unknown_device_is_one_line(profiled, cli, tmp_path):
+    import glob
+    import shutil
+
+    _, out = profiled["two"]
+    truncated, garbage = tmp_path / "truncated", tmp_path / "garbage"
+    for where in (truncated, garbage):
+        shutil.copytree(os.path.join(out, "profile"), where)
+    for path in glob.glob(str(truncated / "**" / "*.xplane.pb"), recursive=True):
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[:len(data) // 3])
+    for path in glob.glob(str(garbage / "**" / "*.xplane.pb"), recursive=True):
+        open(path, "wb").write(b"\x00not a protobuf at all\xff" * 64)
+    for args, words in (([str(truncated)], ["not a readable XPlane trace"]), ([str(garbage)], ["not a readable"]),
+                        ([os.path.join(out, "profile"), "--device", "/device:GPU:7"],
+                         ["--device /device:GPU:7 is not in the trace", "its devices"])):
+        result = cli(["-m", "MaxOffload.profile.overlap", *args])
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert all(w in lines[0] for w in words), lines[0]

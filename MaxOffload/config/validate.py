@@ -139,6 +139,8 @@ def validate(cfg):
     _positive(cfg, "launch.gpus_per_node", "launch.nodes_per_slice")
     _require(re.match(r"^\d+x\d+x\d+$", cfg.aot.topology),
              f"aot.topology={cfg.aot.topology!r}: write SLICESxHOSTSxGPUS, e.g. 2x16x4")
+    _require(all(int(n) >= 1 for n in cfg.aot.topology.split("x")),
+             f"aot.topology={cfg.aot.topology!r}: slices, hosts and GPUs per host must each be at least 1, e.g. 2x16x4")
     for kind in ("ici", "dcn"):
         for axis, size in cfg.mesh[kind].items():
             _require(size == -1 or size >= 1, f"mesh.{kind}.{axis}={size}: give a size >= 1, or -1 for the rest")
@@ -155,10 +157,11 @@ def validate(cfg):
     if data.source == "tokens":
         from MaxOffload.data import tokenized
 
-        meta = tokenized.read_meta(data.path)  # exists, has meta.json, tokens.bin of the stated size
+        meta = tokenized.read_meta(data.path)  # meta.json consistent with tokens.bin and documents.npy
         _require(model.vocab_size >= meta["vocab_size"],
                  f"model.vocab_size={model.vocab_size} is below the {meta['vocab_size']:,} token ids of data.path="
                  f"{data.path} ({meta['tokenizer']['name']}); set model.vocab_size>={meta['vocab_size']}")
+        tokenized.check_token_ids(data.path, meta)  # one pass over tokens.bin
     prof = cfg.profile
     _choice("profile.mode", prof.mode, ("off", "xprof", "nsys"))
     _positive(cfg, "profile.start_step", "profile.num_steps")

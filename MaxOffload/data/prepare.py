@@ -22,8 +22,10 @@ Writes DIR/
                  numbers of the held-out documents in input order, counting non-empty documents from 0),
                  the source files with sizes and sha256, and the options
 The held-out documents are a fixed-seed random --eval_fraction of them (at least one), chosen exactly as
-data.source=text chooses them; a single document holds out its tail. meta.json is written last: a
-directory without it is incomplete. A temporary copy of the tokens needs as much disk again while running.
+data.source=text chooses them; a single document holds out its tail. Everything is written into DIR/.staging
+first and moved into place only when it is complete, meta.json last: a failed or interrupted run leaves a
+dataset already in DIR as it was (a directory without meta.json is incomplete). The staging copy of the
+tokens needs as much disk again as the tokens while running.
 
 Progress goes to stderr about once a second; mistakes are one line `error: ...` on stderr and exit 2.
 """
@@ -32,6 +34,7 @@ import codecs
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -44,6 +47,7 @@ TEXT_SUFFIXES, JSONL_SUFFIXES = (".txt",), (".jsonl",)
 READ_CHUNK = 8 << 20  # bytes read at a time from a .txt file
 BATCH_CHARS, BATCH_DOCS = 1 << 20, 1024  # documents handed to the tokenizer at once (its threads share them)
 COPY_CHUNK = 16 << 20  # tokens copied at a time into the final layout
+STAGING = ".staging"  # DIR/.staging: the new dataset until it is complete
 
 
 class PrepareError(Exception):
@@ -169,6 +173,12 @@ def _read_jsonl(source, field, stats):
                 value = obj[field]
                 raise PrepareError(f"{where}: field {field!r} holds {type(value).__name__} {str(value)[:40]}, "
                                    "not a string")
+            try:
+                obj[field].encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON can escape half of a surrogate pair ("\ud800"): not text
+                raise PrepareError(f"{where}: field {field!r} holds a lone surrogate {obj[field][e.start]!r} at "
+                                   f"character {e.start + 1}, which is not Unicode text; fix or drop that "
+                                   "line") from None
             yield obj[field]
 
 
@@ -264,12 +274,33 @@ def prepare(inputs, out, *, tokenizer="byte", jsonl_field="text", separator=None
     except tokenizer_lib.TokenizerError as e:
         raise PrepareError(f"--tokenizer: {e}") from None
     _output_dir(out)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+    dtype = np.dtype(tokenized.DTYPES[0] if tok.vocab_size <= 1 << 16 else tokenized.DTYPES[1])
+    staging = os.path.join(out, STAGING)
+    shutil.rmtree(staging, ignore_errors=True)  # left by a run that was killed
+    os.makedirs(staging)
+    try:
+        meta = _write(files, inputs, staging, tok, dtype, jsonl_field=jsonl_field, separator=separator,
+                      eval_fraction=eval_fraction, progress_interval=progress_interval)
+        _swap(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return meta
+
+
+def _swap(staging, out):
+    """The staged dataset into `out`: the old meta.json goes first (from then on the directory is an incomplete
+    dataset, never a mix of old and new that looks valid), the data files, then the new meta.json."""
+    old_meta = os.path.join(out, tokenized.META)
+    if os.path.exists(old_meta):
+        os.remove(old_meta)
+    for name in (tokenized.TOKENS, tokenized.DOCUMENTS, tokenized.META):
+        os.replace(os.path.join(staging, name), os.path.join(out, name))
+
+
+def _write(files, inputs, out, tok, dtype, *, jsonl_field, separator, eval_fraction, progress_interval):
+    """Tokenizes `files` into the (staging) directory `out`; returns the meta dict written to its meta.json."""
     paths = {name: os.path.join(out, name) for name in (tokenized.META, tokenized.TOKENS, tokenized.DOCUMENTS)}
     partial = paths[tokenized.TOKENS] + ".partial"
-    if os.path.exists(paths[tokenized.META]):
-        os.remove(paths[tokenized.META])  # until the new one is written, the directory is not a valid dataset
-
     started = time.perf_counter()
     stats = _Stats(sum(os.path.getsize(p) for p, _ in files))
     progress = Progress(stats, progress_interval)
@@ -313,11 +344,9 @@ def prepare(inputs, out, *, tokenizer="byte", jsonl_field="text", separator=None
     meta.update(sources=[s.record() for s in sources], jsonl_field=jsonl_field, separator=separator,
                 prepare_seconds=round(time.perf_counter() - started, 3),
                 created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    tmp = paths[tokenized.META] + ".partial"
-    with open(tmp, "w") as f:
+    with open(paths[tokenized.META], "w") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
-    os.replace(tmp, paths[tokenized.META])
     return meta
 
 

@@ -30,6 +30,7 @@ EVAL_SPLIT_SEED = 1234  # fixed, so the held-out set does not change with run.se
 PAD = 0  # eval padding (masked out); id 0 exists in every vocabulary
 META, TOKENS, DOCUMENTS = "meta.json", "tokens.bin", "documents.npy"
 FORMAT_VERSION = 1
+DTYPES = ("uint16", "uint32")  # tokens.bin: uint16 for vocabularies up to 65,536 ids, else uint32
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,15 +178,47 @@ def read_meta(path, key="data.path"):
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{key}={path}: {META} has format_version {meta.get('format_version')!r}, this version "
                             f"reads {FORMAT_VERSION}; prepare the directory again")
+    again = "prepare the directory again (python -m MaxOffload.data.prepare)"
+    written = DTYPES[0] if vocab <= 1 << 16 else DTYPES[1]
+    if vocab < 1:
+        raise ConfigError(f"{key}={path}: {META} has vocab_size {vocab}; {again}")
+    if dtype.name != written:
+        raise ConfigError(f"{key}={path}: {META} says dtype {dtype.name}, but a vocabulary of {vocab:,} ids is "
+                            f"written as {written}; {META} was edited or damaged: {again}")
     tokens_path = os.path.join(path, TOKENS)
     want = num_tokens * dtype.itemsize
     have = os.path.getsize(tokens_path) if os.path.isfile(tokens_path) else None
     if have != want:
         raise ConfigError(f"{key}={path}: {TOKENS} is {'missing' if have is None else f'{have:,} bytes'}, "
-                            f"{META} says {num_tokens:,} {dtype.name} tokens ({want:,} bytes); prepare it again")
-    if vocab < 1:
-        raise ConfigError(f"{key}={path}: {META} has vocab_size {vocab}; prepare it again")
+                            f"{META} says {num_tokens:,} {dtype.name} tokens ({want:,} bytes); {again}")
+    train, documents = int(meta["train_tokens"]), int(meta["num_documents"])
+    if documents < 1 or not 0 <= train <= num_tokens:
+        raise ConfigError(f"{key}={path}: {META} says {documents:,} documents and train_tokens {train:,} of "
+                            f"{num_tokens:,}; it needs at least one document and 0 <= train_tokens <= num_tokens: "
+                            f"{META} was edited or damaged: {again}")
+    try:
+        starts = np.load(os.path.join(path, DOCUMENTS), mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}={path}: {DOCUMENTS} is missing or unreadable ({e}); {again}") from None
+    train_documents = int(meta["train_documents"]) if documents >= 2 and "train_documents" in meta else None
+    if (starts.shape != (documents + 1,) or int(starts[0]) != 0 or int(starts[-1]) != num_tokens
+            or (train_documents is not None and not (0 <= train_documents <= documents
+                                                     and int(starts[train_documents]) == train))):
+        raise ConfigError(f"{key}={path}: {DOCUMENTS} does not match {META} (documents, num_tokens or the "
+                            f"train/held-out split differ); {again}")
     return meta
+
+
+def check_token_ids(path, meta, key="data.path"):
+    """Every token id of a prepared directory is below its vocab_size: one pass over tokens.bin (read in
+    chunks), so that an id past the model's embedding never reaches training; ConfigError otherwise."""
+    tokens, vocab = open_tokens(path, meta), int(meta["vocab_size"])
+    for start in range(0, len(tokens), 1 << 24):
+        top = int(np.max(tokens[start:start + (1 << 24)]))
+        if top >= vocab:
+            raise ConfigError(f"{key}={path}: {TOKENS} holds token id {top:,}, but {META} says vocab_size "
+                                f"{vocab:,}; {META} was edited or the files come from different preparations: "
+                                "prepare the directory again (python -m MaxOffload.data.prepare)")
 
 
 def open_tokens(path, meta=None):

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from MaxOffload.errors import ConfigError
 from MaxOffload.profile import timeline, trace
 
 
@@ -121,7 +122,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         result = report(args.trace_dir, args.device)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -11,6 +11,7 @@ import glob
 import os
 import re
 
+from MaxOffload.errors import ConfigError
 from MaxOffload.offload.names import VOCABULARY
 from MaxOffload.profile.timeline import COLLECTIVE, COMPUTE, D2H, H2D, OTHER, Event
 
@@ -79,13 +80,22 @@ def _label(name, stats):
     return str(op)
 
 
-def _raw_events(xplane_files):
-    """(device, step key, module, Event) for every device event; step key: run_id / group_id or None."""
+def _planes(path):
+    """The planes of one .xplane.pb; ConfigError (one line) when it is not a readable trace."""
     from jax.profiler import ProfileData
 
+    try:
+        return list(ProfileData.from_file(path).planes)
+    except Exception as e:  # noqa: BLE001 - the reader's C++ errors come as several kinds
+        raise ConfigError(f"{path} is not a readable XPlane trace ({type(e).__name__}: {str(e)[:120]}); it may be "
+                          "truncated: capture it again (profile.mode=xprof)") from None
+
+
+def _raw_events(xplane_files):
+    """(device, step key, module, Event) for every device event; step key: run_id / group_id or None."""
     for path in xplane_files:
         host = os.path.basename(path).split(".xplane.pb")[0]
-        for plane in ProfileData.from_file(path).planes:
+        for plane in _planes(path):
             gpu = plane.name.startswith("/device:GPU")
             if not gpu and not plane.name.startswith("/host:CPU"):
                 continue
@@ -109,11 +119,9 @@ def _raw_events(xplane_files):
 
 def step_markers(xplane_files, name="train"):
     """Step numbers of the StepTraceAnnotation(name, step_num=N) markers in the trace, in order."""
-    from jax.profiler import ProfileData
-
     steps = []
     for path in xplane_files:
-        for plane in ProfileData.from_file(path).planes:
+        for plane in _planes(path):
             for line in plane.lines:
                 for event in line.events:
                     if event.name == name:
@@ -134,6 +142,8 @@ def read_steps(trace_dir, device=None):
     if not raw:
         return {"module": None, "device": None, "steps": [], "markers": step_markers(files)}
     devices = sorted({d for d, *_ in raw})
+    if device is not None and device not in devices:
+        raise ConfigError(f"--device {device} is not in the trace {trace_dir}; its devices: {', '.join(devices)}")
     device = device if device is not None else devices[0]
     raw = [r for r in raw if r[0] == device]
     time_by_module = collections.Counter()

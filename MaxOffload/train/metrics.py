@@ -7,6 +7,8 @@ import time
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from MaxOffload.errors import ConfigError
+
 
 def _duration(seconds):
     seconds = int(round(seconds))
@@ -14,11 +16,26 @@ def _duration(seconds):
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def _lines_up_to(path, step):
+def _lines_up_to(path, step, say=print):
+    """The lines of metrics.jsonl for steps <= `step`. A line that is not a whole JSON object (a crash or a full
+    disk cut the last one short) is dropped, with one line saying so."""
     if not os.path.exists(path):
         return []
+    kept, torn = [], 0
     with open(path) as f:
-        return [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                torn += 1
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if torn:
+        say(f"{path}: dropped {torn} unreadable line(s) (cut short by an earlier crash or a full disk)")
+    return kept
 
 
 class MetricsLogger:
@@ -33,7 +50,15 @@ class MetricsLogger:
         kept = _lines_up_to(path, resume_from) if resume_from and enabled else []
         self.jsonl = open(path, "w", buffering=1)  # line-buffered: a killed run keeps its lines
         self.jsonl.writelines(kept)
-        self.tensorboard = EventFileWriter(os.path.join(output_dir, "tensorboard")) if enabled else None
+        self.tensorboard = None
+        if enabled:
+            events = os.path.join(output_dir, "tensorboard")
+            try:
+                self.tensorboard = EventFileWriter(events)
+            except Exception as e:  # noqa: BLE001 - tensorboard's writer raises OSError or its own kinds
+                self.jsonl.close()
+                raise ConfigError(f"cannot write TensorBoard events to {events} ({type(e).__name__}: {e}); make it "
+                                  "a writable directory, or choose another run.output_dir") from None
         self.started = time.perf_counter()
 
     def _scalars(self, step, values, prefix=""):

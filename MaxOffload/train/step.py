@@ -3,6 +3,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -124,14 +125,33 @@ class TrainSetup:
         grad_norm = optax.tree.norm(grads)
         # A non-finite loss or gradient never reaches the state: keep the old values.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        step = state["step"] + 1
+        if self.cfg.train.on_nonfinite == "stop":
+            # The host learns of a bad step only after it has queued the next one. So the bad step halts the
+            # state on the device: its step becomes -(last good step) - 1 and every later step keeps it as it
+            # is, so the state the host stops with is the last good one (see halted_at).
+            halted = state["step"] < 0
+            finite = finite & ~halted
+            step = jnp.where(finite, step, jnp.where(halted, state["step"], -state["step"] - 1))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        new_state = {"step": state["step"] + 1,
+        new_state = {"step": step,
                      "params": keep(optax.apply_updates(params, updates), params),
                      "opt_state": keep(new_opt_state, opt_state),
                      "model_state": keep(aux.get("model_state", state["model_state"]), state["model_state"])}
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state["step"]),
                    "nonfinite": 1.0 - finite.astype(jnp.float32), **aux.get("metrics", {})}
         return new_state, metrics
+
+    def last_good(self, state):
+        """(the last good step, the state as saved under it) of a state a train step may have halted (stop mode:
+        a non-finite step stores -(last good step) - 1 in its step and leaves the rest as it was)."""
+        step = int(jax.device_get(state["step"]))
+        if step >= 0:
+            return step, state
+        good = -step - 1
+        sharding = self.state_shardings["step"]
+        value = np.asarray(good, self.abstract_state["step"].dtype)
+        return good, {**state, "step": jax.make_array_from_callback((), sharding, lambda _: value)}
 
     def eval_step(self, params, model_state, batch):
         logits, _ = self.forward(params, model_state, batch["inputs"])

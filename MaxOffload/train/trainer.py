@@ -23,6 +23,7 @@ from MaxOffload.offload import xla_bugs
 from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed
 from MaxOffload.reports import write_json
+from MaxOffload.train import rundir
 from MaxOffload.parallel.mesh import describe as mesh_describe
 from MaxOffload.profile.window import Window
 from MaxOffload.train.step import HOST, TrainSetup
@@ -56,13 +57,23 @@ def peak_flops_per_device(cfg):
     return accelerator.bf16_peak_flops if accelerator else None
 
 
-def prepare_output_dir(cfg):
-    try:
-        os.makedirs(cfg.run.output_dir, exist_ok=True)
-        write_json(os.path.join(cfg.run.output_dir, "config.json"), cfg.to_dict())
-    except OSError as e:
-        raise ConfigError(f"run.output_dir={cfg.run.output_dir}: cannot write there ({e.strerror}); "
-                          "choose a writable directory") from None
+def lock_output_dir(cfg, process_count):
+    """The run directory's lock (train/rundir.py), taken by process 0; every process fails alike without it."""
+    lock, error = None, None
+    if _LEAD[0]:
+        try:
+            lock = rundir.Lock(cfg.run.output_dir)
+        except ConfigError as e:
+            error = e
+    if process_count > 1:
+        from jax.experimental import multihost_utils
+
+        if not int(multihost_utils.broadcast_one_to_all(np.int32(lock is not None))) and error is None:
+            error = ConfigError(f"run.output_dir={cfg.run.output_dir} is in use by a running job (process 0 could "
+                                "not lock it); wait for it to end, or give this run its own run.output_dir")
+    if error is not None:
+        raise error
+    return lock
 
 
 def verify_parity(setup):
@@ -94,23 +105,28 @@ def run(cfg, plan, devices=None):
     if process_count > 1:
         _say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
     if _LEAD[0]:
-        prepare_output_dir(cfg)
+        rundir.make(cfg.run.output_dir)
     setup = TrainSetup(cfg, plan, devices or jax.devices())
     summary = describe_setup(cfg, setup)
-    if cfg.run.dry_run:
+    if cfg.run.dry_run:  # its own file only: a training run's outputs in the same directory stay as they are
+        path = os.path.join(cfg.run.output_dir, rundir.DRY_RUN)
         if _LEAD[0]:
-            write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
-        _say(f"dry run: nothing allocated or run; wrote {os.path.join(cfg.run.output_dir, 'summary.json')}")
+            rundir.write_dry_run(cfg.run.output_dir, cfg.to_dict(), summary)
+        _say(f"dry run: nothing allocated or run; wrote {path}")
         return 0
-    miscompile = xla_bugs.affects(plan, platform_of(setup))
-    if miscompile:
-        _say(f"{miscompile}: turning the parity gate (offload.verify_parity) on")
-    if plan.verify_parity or miscompile:
-        verify_parity(setup)
+    lock = lock_output_dir(cfg, process_count)
     try:
+        miscompile = xla_bugs.affects(plan, platform_of(setup))
+        if miscompile:
+            _say(f"{miscompile}: turning the parity gate (offload.verify_parity) on")
+        if plan.verify_parity or miscompile:
+            verify_parity(setup)
         return Training(cfg, setup, summary, process_index, process_count).run()
     except Preempted:
         return PREEMPTED
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def describe_setup(cfg, setup):
@@ -206,18 +222,40 @@ class Training:
 
         return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
 
+    def nothing_to_train(self, start):
+        """A rerun whose checkpoint is at train.steps or past it: one line, and nothing written, saved or
+        garbage-collected (a ConfigError when past it: the request cannot be met)."""
+        steps, out = self.cfg.train.steps, self.cfg.run.output_dir
+        if start > steps:
+            raise ConfigError(f"run.output_dir={out} is at step {start}, past train.steps={steps}: nothing to train, "
+                              f"nothing changed; raise train.steps to go on, or start a new run.output_dir "
+                              f"(checkpoint.load_params_from={out} starts it from these weights)")
+        _say(f"nothing to train: the checkpoint is already at step {start} of train.steps={steps}; nothing changed")
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self):
         cfg, setup = self.cfg, self.setup
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
         checkpointer = Checkpointer(cfg, setup)
-        try:
-            state, start = self.initial_state(checkpointer)
-        except BaseException:  # e.g. a corrupted checkpoint: release Orbax's threads before the one-line error
+
+        def release():  # Orbax's threads and the signal handlers, before any one-line error or early exit
             checkpointer.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+        try:
+            state, start = self.initial_state(checkpointer)
+            finished = start >= cfg.train.steps
+            if finished:
+                self.nothing_to_train(start)
+        except BaseException:  # e.g. a corrupted checkpoint
+            release()
             raise
+        if finished:
+            release()
+            return 0
+        if _LEAD[0]:  # the lock is held and the starting point known: the config this run trains with
+            rundir.write_config(cfg.run.output_dir, cfg.to_dict(), _say)
         _say("compiling the training step ...")
         started = time.perf_counter()
         train_step, self.eval_step = setup.compile_train_step(), setup.compile_eval_step()
@@ -263,10 +301,16 @@ class Training:
             pending = self.report(pending)
             self.save(checkpointer, cfg.train.steps, state)
             eval_loss = self.evaluate(state, cfg.train.steps)
-        except NonFiniteError:
-            # the bad update was never applied: the state in hand is the last good one
-            self.save(checkpointer, int(jax.device_get(state["step"])), state)
-            raise
+        except NonFiniteError as e:
+            # the bad update was never applied and halted the state: the state in hand is the last good one
+            good, state = setup.last_good(state)
+            if good > start:
+                self.save(checkpointer, good, state)
+                checkpointer.wait()
+                raise NonFiniteError(f"{e}; stopped after saving the last good state, step {good} (set "
+                                     "train.on_nonfinite=skip to go on)") from None
+            raise NonFiniteError(f"{e}; stopped with nothing to save: no step after {start} was good (set "
+                                 "train.on_nonfinite=skip to go on)") from None
         finally:
             self.window.stop()
             for s, handler in previous.items():
@@ -313,8 +357,7 @@ class Training:
         if values["nonfinite"]:
             self.skipped += 1
             if self.cfg.train.on_nonfinite == "stop":
-                raise NonFiniteError(f"step {step}: non-finite loss or gradients; stopped after saving the last "
-                                     "good state (set train.on_nonfinite=skip to go on)")
+                raise NonFiniteError(f"step {step}: non-finite loss or gradients")
             _say(f"step {step}: non-finite loss or gradients; update skipped ({self.skipped} so far)")
             return
         factor, loss = self.cfg.train.loss_spike_factor, values["loss"]
@@ -335,9 +378,6 @@ class Training:
 
     def finish(self, eval_loss, start):
         cfg, summary, history = self.cfg, self.summary, self.history
-        if not history:
-            _say(f"nothing to train: the checkpoint is already at step {start} of {cfg.train.steps}")
-            return 0
         steady = history[1:] or history
         mean = lambda key: sum(h[key] for h in steady) / len(steady)  # noqa: E731
         summary.update(steps=cfg.train.steps, resumed_from_step=start, first_loss=history[0]["loss"],

@@ -1,0 +1,102 @@
+"""The run directory (`run.output_dir`): one run at a time, and what a rerun may change there.
+
+- **One run at a time.** `lock` takes an exclusive `flock` on OUTPUT/run.lock for the run's life (process 0
+  of a job takes it: a multi-process job locks once). The kernel drops the lock when its process dies, so
+  a killed run never leaves a lock that blocks the next one; the file stays, naming its last holder. A
+  second run into the same directory is one line, exit 2, before it writes anything.
+- **config.json** is written once the lock is held and the checkpoint to resume from is known (never by a
+  rerun that has nothing to train); when it already holds another config, the keys that differ are printed
+  first.
+- **Dry runs** write only their own file, OUTPUT/dry_run.json (the config and the summary), and take no lock:
+  a training run's config.json, summary.json and metrics are never touched.
+"""
+import fcntl
+import json
+import os
+import socket
+import time
+
+from MaxOffload.errors import ConfigError
+from MaxOffload.reports import write_json
+
+LOCK, CONFIG, DRY_RUN = "run.lock", "config.json", "dry_run.json"
+SHOWN_CHANGES = 12  # differing keys printed in full before "... and N more"
+
+
+def make(output_dir):
+    """Creates the run directory; ConfigError (one line) when it cannot be written."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write_test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"run.output_dir={output_dir}: cannot write there ({e.strerror}); "
+                          "choose a writable directory") from None
+
+
+class Lock:
+    """The held lock of a run directory (see the module docstring); `release()` or process exit frees it."""
+
+    def __init__(self, output_dir):
+        self.path = os.path.join(output_dir, LOCK)
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise ConfigError(f"run.output_dir={output_dir} is in use by a running job ({holder}); wait for it to "
+                              "end, or give this run its own run.output_dir") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.file.flush()
+
+    def release(self):
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changes(saved, current):
+    """['key: saved -> current', ...] for the keys whose values differ (added or removed keys included)."""
+    a, b = _flat(saved), _flat(current)
+    missing = object()
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing)]
+
+
+def write_config(output_dir, config, say=print):
+    """OUTPUT/config.json := `config` (a dict); first says which keys differ from the one already there."""
+    path = os.path.join(output_dir, CONFIG)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        saved = None
+    if isinstance(saved, dict):
+        diff = changes(saved, json.loads(json.dumps(config)))
+        if diff:
+            more = f"; ... and {len(diff) - SHOWN_CHANGES} more" if len(diff) > SHOWN_CHANGES else ""
+            say(f"config changed since {path} was written ({len(diff)} key(s)): "
+                + "; ".join(diff[:SHOWN_CHANGES]) + more)
+    write_json(path, config)
+
+
+def write_dry_run(output_dir, config, summary):
+    path = os.path.join(output_dir, DRY_RUN)
+    write_json(path, {"config": config, "summary": summary})
+    return path

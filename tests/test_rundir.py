@@ -1,0 +1,92 @@
+"""A run directory you can trust (MaxOffload/train/rundir.py): one run at a time, a finished run asked for
+fewer steps changes nothing, a torn metrics line does not stop a resume, a dry run touches only its own file,
+and a resume says which settings changed."""
+import json
+import os
+import signal
+
+from conftest import run_cli
+from test_checkpoint import TINY, losses, start, wait_for_step
+
+def snapshot(out):
+    """Every file of the run directory (checkpoints included) -> its bytes; the lock file aside (each run that
+    takes the lock writes its pid there)."""
+    found = {}
+    for root, _, names in os.walk(out):
+        for name in names:
+            if name == "run.lock":
+                continue
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, out)] = f.read()
+    return found
+
+
+def one_error_line(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    return lines[0]
+
+
+def test_a_finished_run_asked_for_fewer_or_as_many_steps_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, f"run.output_dir={out}", "checkpoint.every_steps=3"]
+    assert run_cli(["train.py", *args, "train.steps=6"]).returncode == 0
+    before = snapshot(out)
+    assert {"3", "6"} <= set(os.listdir(out / "checkpoints"))
+    fewer = run_cli(["train.py", *args, "train.steps=4"])
+    line = one_error_line(fewer)
+    assert "at step 6, past train.steps=4" in line and "nothing changed" in line and "delete" not in line
+    same = run_cli(["train.py", *args, "train.steps=6"])
+    assert same.returncode == 0 and "nothing to train" in same.stdout, same.stderr
+    assert snapshot(out) == before  # no checkpoint named 4, no eval line, config.json as it was
+    # a dry run into the directory writes its own file and nothing else
+    dry = run_cli(["train.py", *args, "train.steps=4", "run.dry_run=true"])
+    assert dry.returncode == 0, dry.stderr
+    after = snapshot(out)
+    assert set(after) - set(before) == {"dry_run.json"} and all(after[f] == before[f] for f in before)
+    assert json.loads(after["dry_run.json"])["config"]["train"]["steps"] == 4
+
+
+def test_a_second_run_into_a_running_directory_is_refused_and_a_dead_ones_lock_is_not(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, f"run.output_dir={out}", "checkpoint.every_steps=0"]
+    first, lines = start([*args, "train.steps=100000"]), []
+    try:
+        wait_for_step(first, 2, lines)
+        metrics = open(out / "metrics.jsonl", "rb").read()
+        second = run_cli(["train.py", *args, "train.steps=3"])
+        line = one_error_line(second)
+        assert f"run.output_dir={out} is in use by a running job (pid {first.pid} on" in line, line
+        assert open(out / "metrics.jsonl", "rb").read()[:len(metrics)] == metrics  # the first run's lines intact
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert os.path.exists(out / "run.lock")  # left by the killed run; the kernel released its lock
+    third = run_cli(["train.py", *args, "train.steps=3"])
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
+    assert sorted(losses(out)) == [1, 2, 3]
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume_and_changed_settings_are_named(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, f"run.output_dir={out}", "checkpoint.every_steps=2"]
+    assert run_cli(["train.py", *args, "train.steps=4"]).returncode == 0
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 3.1')  # a crash in the middle of a line
+    resumed = run_cli(["train.py", *args, "train.steps=6", "run.log_every=2"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "dropped 1 unreadable line(s)" in resumed.stdout
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]  # each step once (losses() refuses duplicates)
+    changed = [line for line in resumed.stdout.splitlines() if line.startswith("config changed since")]
+    assert len(changed) == 1 and "run.log_every: 1 -> 2" in changed[0] and "train.steps: 4 -> 6" in changed[0]
+    assert json.load(open(out / "config.json"))["train"]["steps"] == 6
+
+
+def test_a_tensorboard_directory_that_cannot_be_written_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("a file where the events directory should be")
+    result = run_cli(["train.py", *TINY, f"run.output_dir={out}", "train.steps=2"])
+    line = one_error_line(result)
+    assert f"cannot write TensorBoard events to {out / 'tensorboard'}" in line, line
