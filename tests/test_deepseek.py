@@ -35,7 +35,6 @@ EP_RUNS = {
 EP_CAPACITY_RUNS = {
     "single_capacity": ["single", "model.capacity_factor=1.0"],
     # the tokamax path (its XLA implementation on CPU) with a buffer of 8x a balanced step's rows: all of them
-    "single_buffer": ["single", "model.moe_buffer_factor=8"],
     "expert8_tokamax_buffer": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", "model.moe_kernel=tokamax",
                                "model.moe_buffer_factor=8"],
     "expert2_fsdp2_tensor2_capacity": ["mesh.ici.expert=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2",
@@ -583,12 +582,14 @@ def ep_runs(background):
 
 @pytest.mark.parametrize("name,reference", [("expert8", "single"), ("expert4_fsdp2", "single"),
                                             ("expert2_fsdp2_tensor2_capacity", "single_capacity"),
-                                            ("expert8_tokamax_buffer", "single_buffer")])
+                                            ("expert8_tokamax_buffer", "single")])
 def test_expert_parallel_equals_single_device(ep_runs, name, reference):
     run, ref = ep_runs[name], ep_runs[reference]
     assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     for got, want in zip(run["metrics"], ref["metrics"]):
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-5, abs=1e-6)
+        # a dispatch buffer adds its drop counts, which must be zero: it holds every row
+        assert all(k.startswith("moe/dropped_fraction") and v == 0 for k, v in got.items() if k not in want), got
     np.testing.assert_allclose(run["router_bias"], ref["router_bias"], atol=1e-6)
     assert np.abs(np.asarray(ref["router_bias"])).max() > 0  # the biases did move
 
@@ -600,7 +601,6 @@ def test_expert_parallel_shards_the_experts(ep_runs):
     assert ep_runs["expert4_fsdp2"]["wi_0_shard_shape"] == [2, 2, 32, 32]
     assert ep_runs["expert2_fsdp2_tensor2_capacity"]["wi_0_shard_shape"] == [2, 4, 32, 16]
     assert ep_runs["single_capacity"]["metrics"][0]["moe/dropped_fraction"] > 0  # capacity 1.0 really drops
-    assert ep_runs["single_buffer"]["losses"] == pytest.approx(ep_runs["single"]["losses"], rel=1e-6)
     assert ep_runs["expert8_tokamax_buffer"]["metrics"][0]["moe/dropped_fraction"] == 0
 
 

@@ -87,6 +87,6 @@ def test_a_tensorboard_directory_that_cannot_be_written_is_one_line(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "tensorboard").write_text("a file where the events directory should be")
-    result = run_cli(["train.py", *TINY, f"run.output_dir={out}", "train.steps=2"])
+    result = run_cli(["train.py", *TINY, f"run.output_dir={out}", "train.steps=3"])
     line = one_error_line(result)
     assert f"cannot write TensorBoard events to {out / 'tensorboard'}" in line, line

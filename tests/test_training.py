@@ -220,7 +220,9 @@ def test_user_text_file_runs(runs):
 
 def test_dry_run_writes_sizes_only(runs):
     result, out = finished(runs, "dry")
-    summary = read_summary(out)
+    with open(os.path.join(out, "dry_run.json")) as f:
+        dry = json.load(f)
+    summary = dry["summary"]
     # tiny: embed + unembed 2*512*64; per layer 2 norms, q/o 64*4*16 each, k/v 64*2*16 each, MLP 3*64*176
     per_layer = 2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 176
     assert summary["params_total"] == 2 * 512 * 64 + 2 * per_layer + 64
@@ -228,7 +230,8 @@ def test_dry_run_writes_sizes_only(runs):
     assert 12 * summary["params_total"] <= summary["state_bytes_per_device"] < 12 * summary["params_total"] + 1024
     assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
     assert not os.path.exists(os.path.join(out, "tensorboard"))
-    assert os.path.isfile(os.path.join(out, "config.json"))
+    assert sorted(os.listdir(out)) == ["dry_run.json"]  # its own file only: no config.json, no summary.json
+    assert dry["config"]["run"]["dry_run"] is True
     assert "dry run" in result.stdout
 
 
