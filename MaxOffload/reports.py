@@ -5,6 +5,19 @@ import os
 from MaxOffload.errors import ConfigError
 
 
+def unwritable_dir(path):
+    """Creates directory `path` (and its parents) and checks a file can be written there: None, or why not."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def write_json(path, obj):
     """Written whole or not at all: a temporary file renamed over the old one (a crash or a full disk never
     leaves half a file)."""

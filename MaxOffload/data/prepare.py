@@ -42,6 +42,7 @@ import numpy as np
 
 from MaxOffload.data import tokenized
 from MaxOffload.data import tokenizer as tokenizer_lib
+from MaxOffload.reports import unwritable_dir
 
 TEXT_SUFFIXES, JSONL_SUFFIXES = (".txt",), (".jsonl",)
 READ_CHUNK = 8 << 20  # bytes read at a time from a .txt file
@@ -242,15 +243,10 @@ class Progress:
 # --------------------------------------------------------------------------------------------
 
 def _output_dir(out):
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, ".prepare_write_test")
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise PrepareError(f"output directory {out} is not writable ({e.strerror}); choose a directory you can "
-                           "write to with --output_dir") from None
+    reason = unwritable_dir(out)
+    if reason:
+        raise PrepareError(f"output directory {out} is not writable ({reason}); choose a directory you can write "
+                           "to with --output_dir")
 
 
 def _sha256_file(path):

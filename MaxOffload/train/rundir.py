@@ -17,7 +17,7 @@ import socket
 import time
 
 from MaxOffload.errors import ConfigError
-from MaxOffload.reports import write_json
+from MaxOffload.reports import unwritable_dir, write_json
 
 LOCK, CONFIG, DRY_RUN = "run.lock", "config.json", "dry_run.json"
 SHOWN_CHANGES = 12  # differing keys printed in full before "... and N more"
@@ -25,15 +25,9 @@ SHOWN_CHANGES = 12  # differing keys printed in full before "... and N more"
 
 def make(output_dir):
     """Creates the run directory; ConfigError (one line) when it cannot be written."""
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        probe = os.path.join(output_dir, f".write_test.{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"run.output_dir={output_dir}: cannot write there ({e.strerror}); "
-                          "choose a writable directory") from None
+    reason = unwritable_dir(output_dir)
+    if reason:
+        raise ConfigError(f"run.output_dir={output_dir}: cannot write there ({reason}); choose a writable directory")
 
 
 class Lock:
