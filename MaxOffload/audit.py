@@ -153,9 +153,12 @@ KERNEL_FLOPS = {"raggeddot": _ragged_dot_flops}
 # name in the backend config says which it is: (tokamax op, FLOPs from (operand dims, output dims)). Both of
 # tokamax's ragged_dot kernels take 2 x (first operand's elements) x the output's last dimension:
 # [R, K] x [E, K, N] -> [R, N] and the weight gradient [R, K] x [R, N] -> [E, K, N].
-TRITON_KERNELS = {"_ragged_dot_kernel": ("PallasTritonRaggedDot", lambda ops, out: 2 * math.prod(ops[0]) * out[-1]),
-                  "_ragged_contracting_dim_dot_kernel": ("PallasTritonRaggedDot",
-                                                         lambda ops, out: 2 * math.prod(ops[0]) * out[-1])}
+def _triton_ragged_dot_flops(operands, out):
+    return 2 * math.prod(operands[0]) * out[-1]
+
+
+TRITON_KERNELS = {name: ("PallasTritonRaggedDot", _triton_ragged_dot_flops)
+                  for name in ("_ragged_dot_kernel", "_ragged_contracting_dim_dot_kernel")}
 
 
 def triton_flops(ins):
