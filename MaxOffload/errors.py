@@ -5,7 +5,8 @@ data, planner, the command-line tools) can raise these without import cycles.
 
   exit 2  the input is wrong (ConfigError and its kinds): one line naming the problem and the fix;
           nothing was changed.
-  exit 1  the run stopped on what it found (ParityError, NonFiniteError).
+  exit 1  the run stopped on what it found (ParityError, NonFiniteError; parallel/rollcall.py's one line when a
+          multi-process job never assembles).
 """
 
 

@@ -274,6 +274,54 @@ exec sleep 60
         os.kill(survivor, 0)
 
 
+def free_port_pair():
+    """A port P with P and P + 1 (the roll call's) free here."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.create_server(("", port)), socket.create_server(("", port + 1)):
+                return port
+        except OSError:
+            continue
+    raise AssertionError("no two adjacent free ports")
+
+
+def test_missing_peer_ends_in_one_line_naming_it(tmp_path):
+    """A 3-process job where process 2 never starts: process 0 names it, process 1 points at process 0's log;
+    a process whose coordinator never comes says so. One line each, exit 1, within the timeout (not XLA's fatal
+    log and C++ stack trace)."""
+    port = free_port_pair()
+
+    def start(rank, count):
+        return subprocess.Popen(
+            [sys.executable, "train.py", *TINY, f"run.output_dir={tmp_path}/out{rank}",
+             f"distributed.coordinator_address=localhost:{port}", f"distributed.num_processes={count}",
+             f"distributed.process_id={rank}", "distributed.initialization_timeout_s=6"],
+            cwd=ROOT, env=cpu_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish(proc):
+        out, err = proc.communicate(timeout=120)
+        return proc.returncode, out, err
+
+    started = time.monotonic()
+    leader, member = start(0, 3), start(1, 3)
+    results = [finish(leader), finish(member)]
+    assert time.monotonic() - started < 30  # the roll call speaks at 6 s, JAX's own timeout would be 36 s
+    for code, out, err in results:
+        assert code == 1, err[-2000:]
+        assert len(err.strip().splitlines()) == 1 and not out.strip(), err[-2000:]
+        assert f"the coordinator localhost:{port}" in err
+    assert "process 2 of 3 did not reach the coordinator" in results[0][2], results[0][2]
+    assert "process 1 of 3: the job did not assemble" in results[1][2] and "process 0 answered" in results[1][2]
+    code, _, err = finish(start(1, 2))  # alone: nobody listens at the coordinator
+    assert code == 1 and "no answer from process 0" in err and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert not any((tmp_path / f"out{rank}").exists() for rank in (0, 1))  # nothing written
+
+
 # -- distributed.plan under Slurm's environment ---------------------------------------------------------------------
 def slurm_env(monkeypatch, **values):
     for key in list(os.environ):
@@ -363,3 +411,12 @@ def test_plan_explicit_settings(monkeypatch):
     for bad in (2, -1):
         with pytest.raises(ConfigError, match="process_id"):
             plan(distributed_cfg(coordinator_address="localhost:1234", num_processes=2, process_id=bad))
+
+
+def test_roll_call_knows_the_coordinator_under_slurm(monkeypatch):
+    """The missing-peer line needs the address JAX's Slurm detection will use: the first node, a port from the
+    job id (JAX's ephemeral range)."""
+    from MaxOffload.parallel.distributed import _identity, plan
+
+    slurm_env(monkeypatch, **SLURM_STEP, SLURM_NTASKS="8", SLURM_TASKS_PER_NODE="4(x2)")
+    assert _identity(plan(distributed_cfg())) == (f"gb001:{4242 % 4096 + 61440}", 1, 8)

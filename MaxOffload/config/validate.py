@@ -136,7 +136,8 @@ def validate(cfg):
     _choice("aot.target", cfg.aot.target, tuple(hardware.ACCELERATORS))
     _require(cfg.launch.host_memory_limit_gb >= 0, "launch.host_memory_limit_gb must be >= 0 (0 = from the plan)")
     _require(0 < cfg.launch.mem_fraction <= 1, f"launch.mem_fraction must be in (0, 1], got {cfg.launch.mem_fraction}")
-    _positive(cfg, "launch.gpus_per_node", "launch.nodes_per_slice")
+    _positive(cfg, "launch.gpus_per_node", "launch.nodes_per_slice", "distributed.initialization_timeout_s",
+              "distributed.heartbeat_timeout_s")
     _require(re.match(r"^\d+x\d+x\d+$", cfg.aot.topology),
              f"aot.topology={cfg.aot.topology!r}: write SLICESxHOSTSxGPUS, e.g. 2x16x4")
     _require(all(int(n) >= 1 for n in cfg.aot.topology.split("x")),

@@ -4,6 +4,7 @@ Call `initialize(cfg)` before anything else touches JAX's backend. One process p
 norm (srun --ntasks-per-node=4 on a GB200 tray); with one task per node the process drives every
 GPU it sees (JAX's own Slurm detection would use GPU 0 only).
 """
+import contextlib
 import os
 
 from MaxOffload.errors import ConfigError
@@ -62,19 +63,39 @@ def plan(cfg):
     return args
 
 
+def _identity(args):
+    """(coordinator address, this rank, process count) of a start-up plan, or None when JAX has to find them."""
+    if "coordinator_address" in args:
+        return args["coordinator_address"], args["process_id"], args["num_processes"]
+    try:  # Slurm: the address JAX's own Slurm detection will use (the first node, a port from the job id)
+        from jax._src.clusters.slurm_cluster import SlurmCluster
+
+        return (SlurmCluster.get_coordinator_address(None, None), int(os.environ["SLURM_PROCID"]),
+                int(os.environ["SLURM_NTASKS"]))
+    except Exception:  # another JAX: the start-up goes on without the roll call's names
+        return None
+
+
 def initialize(cfg):
     """Joins the multi-process job if there is one; returns (process_index, process_count)."""
     import jax
+
+    from MaxOffload.parallel import rollcall
 
     args = plan(cfg)
     if args is None:
         return 0, 1
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout = cfg.distributed.initialization_timeout_s
+    identity = _identity(args)
+    watch = rollcall.watch(*identity, timeout) if identity else contextlib.nullcontext()
+    if identity:  # JAX's fatal timeout comes after the roll call's one line
+        args["initialization_timeout"] = timeout + rollcall.GRACE_S
     try:
-        jax.distributed.initialize(**args)
+        with watch:
+            jax.distributed.initialize(**args)
     except Exception as e:  # a runtime failure, reported in one line
         raise ConfigError(f"distributed start-up failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}); check "
-                          f"that all processes started and reach the coordinator within "
-                          f"{cfg.distributed.initialization_timeout_s} s") from None
+                          f"that all processes started and reach the coordinator within {timeout} s") from None
     return jax.process_index(), jax.process_count()
