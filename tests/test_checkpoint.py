@@ -168,15 +168,32 @@ def test_bit_flipped_checkpoint_is_refused_and_replaced_when_the_run_gets_there_
 
 
 def test_checkpoint_of_another_model_or_optimizer_names_the_difference_and_never_advises_deleting(tmp_path):
-    assert run_cli(["train.py", *TINY, "train.steps=3", f"run.output_dir={tmp_path}"]).returncode == 0
-    for change, named in (("model.emb_dim=32", "float32[512, 64]"), ("train.grad_clip_norm=0", "leaves")):
-        result = run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={tmp_path}", change])
+    """A changed model names the first differing parameter; a changed optimizer (no gradient clipping: another
+    opt_state structure) says the parameters fit and points at checkpoint.load_params_from, which then starts
+    a new run from them (a params-only restore: the old optimizer state is not read). With
+    fallback_to_previous=true it is the same one line: a sound checkpoint is no reason to fall back."""
+    run_dir = tmp_path / "run"
+    assert run_cli(["train.py", *TINY, "train.steps=3", "checkpoint.every_steps=2",
+                    f"run.output_dir={run_dir}"]).returncode == 0  # steps 2 and 3: an older one to fall back to
+    model = "another model: ['params']['embed'] was saved as float32[512, 64]"
+    for change, fallback, named in (("model.emb_dim=32", "true", model),
+                                    ("train.grad_clip_norm=0", "false", "but another optimizer state")):
+        result = run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={run_dir}", change,
+                          f"checkpoint.fallback_to_previous={fallback}"])
         assert result.returncode == 2, result.stdout + result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-        assert "another model or optimizer" in lines[0] and named in lines[0], lines[0]
+        assert named in lines[0], lines[0]
         assert "corrupted" not in lines[0] and "delete" not in lines[0] and "config.json" in lines[0]
-    assert run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={tmp_path}"]).returncode == 0
+    assert f"checkpoint.load_params_from={run_dir}" in lines[0]
+    new = tmp_path / "new"
+    result = run_cli(["train.py", *TINY, "train.steps=3", f"run.output_dir={new}", "train.grad_clip_norm=0",
+                      f"checkpoint.load_params_from={run_dir}"])
+    assert result.returncode == 0 and "(step 3)" in result.stdout, result.stderr
+    result = run_cli(["train.py", *TINY, "train.steps=3", f"run.output_dir={tmp_path / 'other'}", "model.emb_dim=32",
+                      f"checkpoint.load_params_from={run_dir}"])
+    assert result.returncode == 2 and "are not this model's (['params']['embed']" in result.stderr, result.stderr
+    assert run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={run_dir}"]).returncode == 0
 
 
 def test_integrity_manifests_of_any_number_of_processes_are_all_checked(tmp_path):

@@ -22,18 +22,38 @@ def _warn(text):
         print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
-def _restore_args(setup):
+def _targets(setup):
     """The state's shapes with the CURRENT shardings: Orbax reshards whatever mesh saved it."""
-    target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                          setup.abstract_state, setup.state_shardings)
-    return ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        setup.abstract_state, setup.state_shardings)
 
 
-def _verify(step_dir, structure):
+def _restore_args(setup):
+    return ocp.args.Composite(state=ocp.args.StandardRestore(_targets(setup)), meta=ocp.args.JsonRestore())
+
+
+def _params_restore_args(setup):
+    """The parameters alone: the rest of the saved state (another optimizer's, say) is not read."""
+    item = {"params": _targets(setup)["params"]}
+    return ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+
+
+def _verify(step_dir, structure, partial=False):
     """integrity.verify on this process (raises Damaged / Mismatch); an unverifiable checkpoint is a warning."""
-    unverified = integrity.verify(step_dir, structure, jax.process_index(), jax.process_count())
+    unverified = integrity.verify(step_dir, structure, jax.process_index(), jax.process_count(), partial)
     if unverified:
         _warn(f"checkpoint {step_dir} is restored unverified: {unverified}")
+
+
+def _mismatch(path, error, output_dir):
+    """The one line for a sound checkpoint of another model or optimizer: what differs and the ways on."""
+    resume = "resume it with the config it was saved with (the run's config.json)"
+    if error.params_match:
+        return (f"checkpoint {path} holds this model's parameters but another optimizer state ({error}); {resume}, "
+                f"or start a new run from its weights: a new run.output_dir with checkpoint.load_params_from={output_dir}")
+    kind = "another model" if error.params_match is False else "another model or optimizer"
+    return f"checkpoint {path} was saved for {kind}: {error}; {resume}, or choose a new run.output_dir"
 
 
 class Checkpointer:
@@ -87,9 +107,7 @@ class Checkpointer:
                 restored = self.manager.restore(step, args=_restore_args(self.setup))
                 return restored.state, dict(restored.meta)
             except integrity.Mismatch as e:  # intact, but another model or optimizer: not a reason to fall back
-                raise ConfigError(f"checkpoint {path} was saved for another model or optimizer: {e}; resume it with "
-                                  "the config it was saved with (the run's config.json), or choose a new "
-                                  "run.output_dir") from None
+                raise ConfigError(_mismatch(path, e, self.cfg.run.output_dir)) from None
             except Exception as e:  # damaged or unreadable: say which, and what to do
                 text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
                 reason = text if isinstance(e, integrity.Damaged) else f"{type(e).__name__}: {text}"
@@ -118,16 +136,16 @@ def load_params(path, setup):
         step = step if step is not None else manager.latest_step()
         step_dir = os.path.join(os.path.abspath(directory), str(step))
         try:
-            _verify(step_dir, integrity.structure(setup.abstract_state))
-            restored = manager.restore(step, args=_restore_args(setup))
+            _verify(step_dir, integrity.structure({"params": setup.abstract_state["params"]}), partial=True)
+            restored = manager.restore(step, args=_params_restore_args(setup))
         except integrity.Mismatch as e:
-            raise ConfigError(f"checkpoint.load_params_from={path}: step {step} was saved for another model or "
-                              f"optimizer ({e}); it must come from the same model and optimizer") from None
+            raise ConfigError(f"checkpoint.load_params_from={path}: the parameters of step {step} are not this "
+                              f"model's ({e}); it must come from a run of the same model") from None
         except integrity.Damaged as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: step {step} is corrupted ({e})") from None
         except Exception as e:
-            raise ConfigError(f"checkpoint.load_params_from={path}: cannot restore step {step} "
-                              f"({type(e).__name__}); it must come from the same model and optimizer") from None
+            raise ConfigError(f"checkpoint.load_params_from={path}: cannot restore the parameters of step {step} "
+                              f"({type(e).__name__}); it must come from a run of the same model") from None
         finally:
             manager.close()  # its threads must not outlive the run (or the one-line error)
         return restored.state["params"], step

@@ -25,7 +25,16 @@ class Damaged(Exception):
 
 
 class Mismatch(Exception):
-    """The checkpoint is intact but holds another structure than the configured train state."""
+    """The checkpoint is intact but holds another structure than the configured train state. `params_match`:
+    whether its parameters are still the configured ones (then only the optimizer state changed); None when
+    another process found the difference."""
+
+    def __init__(self, text, params_match=None):
+        super().__init__(text)
+        self.params_match = params_match
+
+
+PARAMS = "['params']"  # the key path prefix of the parameters in a train state's structure
 
 
 def structure(tree):
@@ -73,11 +82,17 @@ def _manifests(step_dir):
     return found
 
 
-def _compare(saved, configured):
-    """One line on how the saved structure differs from the configured one, or None."""
+def _params(tree):
+    return {k: v for k, v in tree.items() if k.startswith(PARAMS)}
+
+
+def _compare(saved, configured, partial=False):
+    """One line on how the saved structure differs from the configured one, or None. `partial`: the configured
+    leaves are a part of the saved ones (the parameters of a saved train state)."""
     missing = [k for k in configured if k not in saved]
-    extra = [k for k in saved if k not in configured]
-    changed = [k for k in configured if k in saved and saved[k] != configured[k]]
+    extra = [] if partial else [k for k in saved if k not in configured]
+    changed = sorted((k for k in configured if k in saved and saved[k] != configured[k]),
+                     key=lambda k: not k.startswith(PARAMS))  # a parameter names the change best
     if not (missing or extra or changed):
         return None
     if changed:
@@ -91,47 +106,51 @@ def _compare(saved, configured):
     return what
 
 
-def _check_local(step_dir, configured, process_index, process_count):
-    """(code, text) for the manifests this process checks: 0 fine, 1 unverifiable, 2 damaged, 3 mismatch."""
+def _check_local(step_dir, configured, process_index, process_count, partial):
+    """(code, text, params_match) for the manifests this process checks: code 0 fine, 1 unverifiable, 2 damaged,
+    3 mismatch."""
     try:
         manifests = _manifests(step_dir)
     except (OSError, ValueError, KeyError) as e:
-        return 2, f"its integrity manifest is unreadable ({type(e).__name__})"
+        return 2, f"its integrity manifest is unreadable ({type(e).__name__})", None
     if 0 not in manifests:
-        return 1, "it has no integrity manifest (saved by an older MaxOffload, or the run ended before writing it)"
-    what = _compare(manifests[0].get("structure", {}), configured)
+        return 1, "it has no integrity manifest (saved by an older MaxOffload, or the run ended before writing it)", None
+    saved = manifests[0].get("structure", {})
+    what = _compare(saved, configured, partial)
     if what:
-        return 3, what
+        return 3, what, _compare(_params(saved), _params(configured)) is None
     expected = int(manifests[0].get("processes", 1))
     absent = sorted(set(range(expected)) - set(manifests))
     if absent:
-        return 1, f"the integrity manifest of process {absent[0]} is missing"
+        return 1, f"the integrity manifest of process {absent[0]} is missing", None
     for owner in sorted(manifests):
         if owner % process_count != process_index:
             continue
         for rel, (size, digest) in manifests[owner]["files"].items():
             path = os.path.join(step_dir, rel)
             if not os.path.isfile(path):
-                return 2, f"{rel} is missing"
+                return 2, f"{rel} is missing", None
             if os.path.getsize(path) != size:
-                return 2, f"{rel} has {os.path.getsize(path)} bytes, {size} when saved"
+                return 2, f"{rel} has {os.path.getsize(path)} bytes, {size} when saved", None
             if _digest(path) != digest:
-                return 2, f"{rel} differs from what was saved (SHA-256 mismatch)"
-    return 0, ""
+                return 2, f"{rel} differs from what was saved (SHA-256 mismatch)", None
+    return 0, "", None
 
 
-def verify(step_dir, configured, process_index, process_count):
-    """Returns a warning text (unverifiable) or None; raises Damaged or Mismatch, the same on every process."""
-    code, text = _check_local(step_dir, configured, process_index, process_count)
+def verify(step_dir, configured, process_index, process_count, partial=False):
+    """Returns a warning text (unverifiable) or None; raises Damaged or Mismatch, the same on every process.
+    `partial`: `configured` is the part of the saved structure that is to be restored (see _compare)."""
+    code, text, params_match = _check_local(step_dir, configured, process_index, process_count, partial)
     if process_count > 1:
         from jax.experimental import multihost_utils
 
         codes = np.asarray(multihost_utils.process_allgather(np.int32(code)))
         worst = int(codes.max())
         if worst != code:
-            code, text = worst, f"process {int(np.argmax(codes))} found it {'damaged' if worst == 2 else 'different'}"
+            found = "damaged" if worst == 2 else "different"
+            code, text, params_match = worst, f"process {int(np.argmax(codes))} found it {found}", None
     if code == 2:
         raise Damaged(text)
     if code == 3:
-        raise Mismatch(text)
+        raise Mismatch(text, params_match)
     return text or None
