@@ -13,6 +13,8 @@ import pytest
 
 from MaxOffload.data import prepare, text, tokenized, tokenizer
 
+pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
+
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 EXTRAS = ["héllo", "wörld", "naïve", "café", "日本語", "🚀", "\n", "\t", "  "]

@@ -6,7 +6,11 @@ __init__ names here)."""
 import ast
 import os
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 PACKAGE = "MaxOffload"
 

@@ -9,7 +9,11 @@ import os
 import re
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 # the project's own modules, and the test modules that other tests import from (tests/ is on their path)
 LOCAL = {"MaxOffload", "benchmarks", "conftest", "train", "helpers"} | {

@@ -99,6 +99,7 @@ def test_recompute_working_set_offloads_to_fit_and_an_impossible_budget_says_wha
         search_lib.search(cands, costs, _machine(hbm=500, host=10), base)  # nothing can go to the host
 
 
+@pytest.mark.once
 def test_impossible_budget_is_one_line_exit_2(tmp_path):
     result = run_cli(["-m", "MaxOffload.offload.planner", *TINY, "remat.policy=auto", "launch.mem_fraction=1e-6",
                       "--target", "gb200", "--topology", "1x1x4", "--no_confirm", f"run.output_dir={tmp_path}"])
@@ -215,6 +216,7 @@ def test_predicted_step_times_match_the_h200_measurement():
         assert seconds == pytest.approx(measured[name], rel=0.1), (name, seconds, measured[name])
 
 
+@pytest.mark.once
 def test_sweep_writes_its_table_csv_and_chart(tmp_path):
     """benchmarks/offload_sweep.py end to end on the tiny llama (measured on CPU; ratios there are not claims)."""
     import csv

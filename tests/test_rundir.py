@@ -4,9 +4,15 @@ and a resume says which settings changed."""
 import json
 import os
 import signal
+import subprocess
+
+import pytest
 
 from conftest import run_cli
-from test_checkpoint import TINY, losses, start, wait_for_step
+from test_checkpoint import TINY, _sound, losses, start, wait_for_step
+
+pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
+
 
 def snapshot(out):
     """Every file of the run directory (checkpoints included) -> its bytes; the lock file aside (each run that
@@ -90,3 +96,51 @@ def test_a_tensorboard_directory_that_cannot_be_written_is_one_line(tmp_path):
     result = run_cli(["train.py", *TINY, f"run.output_dir={out}", "train.steps=3"])
     line = one_error_line(result)
     assert f"cannot write TensorBoard events to {out / 'tensorboard'}" in line, line
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (a full disk for real: tensorstore's own writes fail with ENOSPC). Needs root, as CI is;
+    elsewhere the test is skipped unless CI=true says it must run."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        reason = f"cannot mount a tmpfs ({mounted.stderr.strip() or 'mount failed'}): needs root"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}, but CI=true requires this test")
+        pytest.skip(reason)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_the_checkpoints_before_it_stay_sound(small_disk):
+    """Checkpoints of ~1.5 MiB every step on a 6 MiB disk: step 4's save fails. One line names the directory,
+    the free and the needed space and the step a rerun resumes from; its partial write is removed, steps 1-3
+    stay sound. With room made (the tmpfs grown), the same command resumes there and finishes, each step
+    logged once."""
+    out = small_disk / "run"
+    args = [*TINY, f"run.output_dir={out}", "train.steps=8", "checkpoint.every_steps=1", "checkpoint.keep=10"]
+    line = one_error_line(run_cli(["train.py", *args]))
+    assert f"checkpoint of step 4 not saved: {out / 'checkpoints'} is out of space" in line, line
+    assert "MiB free, a checkpoint needs about 1." in line and "then rerun: a rerun resumes from step 3" in line
+    assert sorted(os.listdir(out / "checkpoints")) == ["1", "2", "3"]  # no partial step 4 left taking space
+    assert all(_sound(out / "checkpoints" / step) for step in ("1", "2", "3"))
+    subprocess.run(["mount", "-o", "remount,size=24m", str(small_disk)], check=True)
+    result = run_cli(["train.py", *args])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed from" in result.stdout and "(step 3)" in result.stdout
+    assert sorted(losses(out)) == list(range(1, 9))
+
+
+def test_a_disk_that_fills_under_the_metrics_log_is_one_line(small_disk):
+    import shutil
+
+    (small_disk / "filler").write_bytes(b"x" * (shutil.disk_usage(small_disk).free - 16384))  # room for config.json
+    out = small_disk / "run"
+    line = one_error_line(run_cli(["train.py", *TINY, f"run.output_dir={out}", "train.steps=300",
+                                   "checkpoint.enabled=false"]))
+    assert f"to {out / 'metrics.jsonl'} (No space left on device); free space there" in line, line

@@ -7,7 +7,11 @@ integrity.py) let a restore find damage or another model before Orbax reads the 
 checkpoint to a temporary directory and renames it when complete, so a process killed during an asynchronous
 save leaves the previous checkpoint intact; the leftover is skipped.
 """
+import errno
+import logging
+import math
 import os
+import shutil
 import sys
 
 import jax
@@ -56,6 +60,61 @@ def _mismatch(path, error, output_dir):
     return f"checkpoint {path} was saved for {kind}: {error}; {resume}, or choose a new run.output_dir"
 
 
+def _tree_bytes(path):
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def _gib(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _out_of_space(error):
+    text = str(error)
+    return (getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in text
+            or f"os_error_code='{errno.ENOSPC}'" in text)
+
+
+class _OrbaxErrors(logging.Filter):
+    """Holds back the ERROR records (with tracebacks) Orbax's threads log for a failed save, which
+    wait_until_finished raises again: Checkpointer.wait turns that into one line. Records held back when no
+    error is raised are shown after all (`release`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def filter(self, record):
+        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+            self.held.append(record)
+            return False
+        return True
+
+    def release(self, logger):
+        held, self.held = self.held, []
+        for record in held:
+            logger.handle(record)
+
+
+class _FailedSaveTasks(logging.Filter):
+    """After a failed save: asyncio's "Task exception was never retrieved" for the save's own write tasks (it
+    logs them when they are garbage-collected, as the process ends after the one-line error)."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+
+    def filter(self, record):
+        return not ("never retrieved" in record.getMessage() and self.directory in record.getMessage())
+
+
+def _unraisable(hook):
+    """sys.unraisablehook without the 'Event loop is closed' of tensorstore callbacks that outlive a failed save."""
+    def quiet(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+            hook(unraisable)
+    return quiet
+
+
 class Checkpointer:
     def __init__(self, cfg, setup):
         self.cfg, self.setup = cfg, setup
@@ -66,6 +125,10 @@ class Checkpointer:
         self.structure = integrity.structure(setup.abstract_state)
         self.unsealed = None  # the step whose save may still be in flight, its manifest not yet written
         self.damaged = set()  # steps found damaged by restore_latest: the run replaces them when it gets there
+        self.failed = False  # a save failed: its error was raised once, close() only releases the threads
+        self.orbax_errors = _OrbaxErrors()
+        logging.getLogger("absl").addFilter(self.orbax_errors)
+        sys.unraisablehook = _unraisable(sys.unraisablehook)
 
     def has(self, step):
         """Whether a sound checkpoint of `step` exists (a damaged one is to be replaced)."""
@@ -82,17 +145,53 @@ class Checkpointer:
         self.unsealed = step
 
     def wait(self):
-        """Waits for the save in flight, then writes its integrity manifest."""
-        self.manager.wait_until_finished()
+        """Waits for the save in flight, then writes its integrity manifest; a failed save is a ConfigError (one
+        line: the directory, and for a full disk the space needed); the checkpoints before it stay as they are."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            step, self.unsealed, self.failed = self.unsealed, None, True
+            self.orbax_errors.held.clear()  # they are about this error
+            logging.getLogger("asyncio").addFilter(_FailedSaveTasks(self.directory))
+            raise self._save_failed(step, e) from None
+        self.orbax_errors.release(logging.getLogger("absl"))
         if self.unsealed is not None:
             step_dir = os.path.join(self.directory, str(self.unsealed))
             if os.path.isdir(step_dir):  # absent if Orbax's garbage collection already removed it
                 integrity.seal(step_dir, jax.process_index(), jax.process_count(), self.structure)
             self.unsealed = None
 
+    def _save_failed(self, step, error):
+        if jax.process_index() == 0:  # the partial write is of no use; removing it gives its space back
+            for name in os.listdir(self.directory):
+                if name.startswith(f"{step}.") and "tmp" in name:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        sound = sorted(s for s in self.manager.all_steps() if s != step)
+        resume = f"a rerun resumes from step {sound[-1]}" if sound else "a rerun starts from step 0"
+        if _out_of_space(error):
+            need = (_tree_bytes(os.path.join(self.directory, str(sound[-1]))) if sound else
+                    sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(self.setup.abstract_state)))
+            free = shutil.disk_usage(self.directory).free
+            keep = self.cfg.checkpoint.keep
+            return ConfigError(f"checkpoint of step {step} not saved: {self.directory} is out of space "
+                               f"({_gib(free)} free, a checkpoint needs about {_gib(need)}; checkpoint.keep={keep} "
+                               f"holds up to {keep} plus the one being written); free at least "
+                               f"{_gib(max(need - free, 0))} there, then rerun: {resume}")
+        text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        return ConfigError(f"checkpoint of step {step} not saved in {self.directory} ({type(error).__name__}: "
+                           f"{text}); {resume}")
+
     def close(self):
-        self.wait()
-        self.manager.close()
+        try:
+            if not self.failed:
+                self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:
+                if not self.failed:  # after a failed save Orbax re-raises it here: it was reported once
+                    raise
+            logging.getLogger("absl").removeFilter(self.orbax_errors)
 
     def restore_latest(self):
         """(state, meta) of the newest readable checkpoint, or None when there is none."""

@@ -68,16 +68,24 @@ class MetricsLogger:
                                              for k, v in values.items() if v is not None])
         self.tensorboard.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
+    def _append(self, row):
+        """One line of metrics.jsonl; a failed write (a full disk) is a ConfigError naming the file."""
+        try:
+            self.jsonl.write(json.dumps(row) + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot append step {row['step']} to {self.jsonl.name} ({e.strerror or e}); free space "
+                              "there (or make it writable), then rerun: it resumes from its last checkpoint, if any") from None
+
     def log_step(self, step, metrics):
         """step: the 1-based number of the finished step; metrics: name -> float."""
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._append({"step": step, **metrics})
         self._scalars(step, metrics, "train/")
         if step % self.log_every == 0 or step == self.total_steps or step == 1:
             self.stream.write(self._progress_line(step, metrics) + "\n")
             self.stream.flush()
 
     def log_eval(self, step, metrics):
-        self.jsonl.write(json.dumps({"step": step, **{f"eval_{k}": v for k, v in metrics.items()}}) + "\n")
+        self._append({"step": step, **{f"eval_{k}": v for k, v in metrics.items()}})
         self._scalars(step, metrics, "eval/")
         self.stream.write(f"eval  step {step:>{len(str(self.total_steps))}} | "
                           + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + "\n")
@@ -96,6 +104,9 @@ class MetricsLogger:
                 f"TFLOP/s/dev | MFU {mfu} | eta {_duration(eta)}")
 
     def close(self):
-        self.jsonl.close()
+        try:
+            self.jsonl.close()
+        except OSError:
+            pass  # its failed write was raised already (line-buffered: nothing else is pending)
         if self.tensorboard is not None:
             self.tensorboard.close()
