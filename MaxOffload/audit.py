@@ -35,9 +35,10 @@ GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 KERNEL_HINTS = ("triton", "cudnn", "mosaic", "pallas", "cublas", "__gpu$")
 # A part may take this much more than its expected FLOPs (plus what it recomputes) before a WARNING.
 TOLERANCE = 1.15
-# The multiple of its model FLOPs a part's matmuls take by construction. The model counts half of the causal
-# score matrix (train/flops.py, MaxText's convention); attention without causal block skipping (XLA's, this
-# project's chunked one) computes all of it and masks half: 2x, which a fused causal kernel would halve.
+# The multiple of its model FLOPs a part's matmuls take by construction, where the model's configuration does
+# not say (audit's `multiples`). The model counts half of the causal score matrix (train/flops.py, MaxText's
+# convention); attention without causal block skipping computes all of it and masks half: 2x. A training step
+# knows its attention kernel and length (of_compiled: models/layers.attention_work_multiple).
 EXPECTED = {components.ATTENTION_SCORES: 2.0}
 
 
@@ -147,8 +148,25 @@ def _ragged_dot_flops(arguments):
     return 2 * math.prod(lhs) * math.prod(d for i, d in enumerate(rhs) if i not in skipped)
 
 
-# tokamax op class name (its last part, lowercased, containing) -> FLOPs of one call from its arguments
-KERNEL_FLOPS = {"raggeddot": _ragged_dot_flops}
+def _attention_flops(q, v, causal, vjp):
+    """Flash attention's matmuls, q [*B, T, N, d], v [*B, S, K, dv]: per visible (query, key) pair and head the
+    forward's QK^T and PV (2 (d + dv)); the VJP's recomputed QK^T and its dV, dP, dQ, dK (2 (3 d + 2 dv)). Causal
+    with T = S: T (T + 1) / 2 pairs (the kernel skips the key blocks above the diagonal)."""
+    batch, length, heads, d = math.prod(q[:-3]), q[-3], q[-2], q[-1]
+    keys, dv = v[-3], v[-1]
+    pairs = length * (length + 1) // 2 if causal and length == keys else length * keys
+    return 2 * batch * heads * pairs * ((3 * d + 2 * dv) if vjp else (d + dv))
+
+
+def _flash_attention_flops(arguments, vjp=False):
+    causal = bool((arguments.get("mask") or {}).get("is_causal"))
+    return _attention_flops(dims(arguments["q"]), dims(arguments["v"]), causal, vjp)
+
+
+# tokamax op class name (its last part, lowercased, containing; the first match counts) -> FLOPs of one call
+KERNEL_FLOPS = {"raggeddot": _ragged_dot_flops,
+                "flashattentionvjp": lambda arguments: _flash_attention_flops(arguments, vjp=True),
+                "flashattention": _flash_attention_flops}
 # Where the op JSON is not in the metadata (jax 0.12 drops it inside shard_map / loops), the Triton kernel's own
 # name in the backend config says which it is: (tokamax op, FLOPs from (operand dims, output dims)). Both of
 # tokamax's ragged_dot kernels take 2 x (first operand's elements) x the output's last dimension:
@@ -159,6 +177,15 @@ def _triton_ragged_dot_flops(operands, out):
 
 TRITON_KERNELS = {name: ("PallasTritonRaggedDot", _triton_ragged_dot_flops)
                   for name in ("_ragged_dot_kernel", "_ragged_contracting_dim_dot_kernel")}
+# tokamax's flash attention: operands (q, k, v, ...); the model calls it causal only (models/layers.attention)
+TRITON_KERNELS.update({
+    "pallas_flash_attention": ("PallasTritonFlashAttention", lambda ops, out: _attention_flops(ops[0], ops[2], True,
+                                                                                              False)),
+    "pallas_flash_attention_fwd_res": ("PallasTritonFlashAttention",
+                                       lambda ops, out: _attention_flops(ops[0], ops[2], True, False)),
+    "pallas_flash_attention_vjp": ("PallasTritonFlashAttentionVjp",
+                                   lambda ops, out: _attention_flops(ops[0], ops[2], True, True)),
+})
 
 
 def triton_flops(ins):
@@ -367,9 +394,23 @@ def model_flops_per_device(setup):
         return {"model": flops.train_flops_per_step(c, batch, seq_len) / n}
 
 
+def work_multiples(setup):
+    """{component: x} a TrainSetup's step takes by construction: its model configuration's, and its attention
+    kernel's at its sequence length."""
+    from MaxOffload.models import layers
+
+    c = setup.model_config
+    multiples = dict(c.compiled_work_multiples())
+    if hasattr(c, "attention") and hasattr(c, "attention_dims"):
+        _, _, qk_dim, v_dim = c.attention_dims()
+        multiples[components.ATTENTION_SCORES] = layers.attention_work_multiple(c.attention, setup.cfg.train.seq_len,
+                                                                                qk_dim, v_dim)
+    return multiples
+
+
 def of_compiled(compiled, setup):
     """The audit of a TrainSetup's compiled step."""
-    return audit(compiled.as_text(), model_flops_per_device(setup), setup.model_config.compiled_work_multiples())
+    return audit(compiled.as_text(), model_flops_per_device(setup), work_multiples(setup))
 
 
 def _pflop(n):
@@ -386,7 +427,7 @@ def format_audit(report):
         lines.append(f"  {name:<17} {_pflop(e['compiled_flops']):>14}{against}, recompute "
                      f"{_pflop(e['recompute_flops'])}")
     if report.get("counted_kernels"):
-        lines.append("  kernels counted from their shapes (the whole buffer: an upper bound): " + ", ".join(
+        lines.append("  kernels counted from their shapes (a grouped GEMM: its whole buffer, an upper bound): " + ", ".join(
             f"{k} x{v}" for k, v in sorted(report["counted_kernels"].items())))
     if report["unreadable_kernels"]:
         lines.append("  kernels whose FLOPs the HLO does not show: " + ", ".join(

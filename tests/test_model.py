@@ -442,22 +442,52 @@ def test_dry_run_405b(cli, tmp_path):
     assert summary["state_bytes_per_device"] == pytest.approx(12 * params, rel=0.02)
 
 
-def test_chunked_attention_equals_full_attention_with_gradients():
-    """Long sequences run in recomputed query blocks; values and gradients must not change."""
-    rng = np.random.default_rng(3)
-    q = jnp.asarray(rng.normal(size=(2, 64, 4, 8)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(2, 64, 2, 8)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(2, 64, 2, 6)), jnp.float32)  # v head dim may differ (MLA)
+def _full_attention(q, k, v, scale):
+    """The whole causal square, k/v repeated per query head: the plain definition the kernels are held to."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("blhd,bshd->bhls", q, k) * scale
+    scores = jnp.where(jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhls,bshd->blhd", jax.nn.softmax(scores, axis=-1), v)
 
-    def loss(chunk):
-        return lambda q, k, v: jnp.sum(causal_attention(q, k, v, chunk=chunk) ** 2)
 
-    np.testing.assert_allclose(causal_attention(q, k, v, chunk=16), causal_attention(q, k, v, chunk=1024),
-                               atol=1e-5)
-    full = jax.grad(loss(1024), argnums=(0, 1, 2))(q, k, v)
-    chunked = jax.grad(loss(16), argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(full, chunked):
-        np.testing.assert_allclose(a, b, atol=1e-4)
-    # the chunked jaxpr never materialises a [.., 64, 64] score matrix
-    text = str(jax.make_jaxpr(loss(16))(q, k, v))
-    assert "64,64]" not in text.replace(" ", "") and "16,64]" in text.replace(" ", "")
+@pytest.mark.parametrize("heads,kv_heads,qk_dim,v_dim,length", [(4, 2, 8, 8, 64), (4, 2, 8, 8, 50), (4, 4, 12, 8, 37)],
+                         ids=["gqa_blocks", "gqa_ragged_last_block", "mla_dims_ragged"])
+def test_both_attention_paths_equal_the_full_square_with_gradients(heads, kv_heads, qk_dim, v_dim, length):
+    """The xla path (query blocks of 16 here, the last one shorter when the length is no multiple) and the
+    flash path (tokamax behind the same call; its chunked XLA implementation on CPU) against the plain full
+    causal square: values and gradients, GQA and MLA's q/k head dim above v's."""
+    from MaxOffload.models.layers import attention
+
+    rng = np.random.default_rng(length)
+    q = jnp.asarray(rng.normal(size=(2, length, heads, qk_dim)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, length, kv_heads, qk_dim)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, length, kv_heads, v_dim)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(v_dim,)), jnp.float32)
+    paths = {"full": lambda q, k, v: _full_attention(q, k, v, 0.3),
+             "xla": lambda q, k, v: causal_attention(q, k, v, 0.3, block=16),
+             "flash": lambda q, k, v: attention(q, k, v, 0.3, "flash")}
+    results = {name: (fn(q, k, v), jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * weights), (0, 1, 2))(q, k, v))
+               for name, fn in paths.items()}
+    want, want_grads = results.pop("full")
+    for name, (got, grads) in results.items():
+        np.testing.assert_allclose(got, want, atol=2e-6, err_msg=name)
+        for a, b in zip(grads, want_grads):
+            np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
+
+
+def test_the_xla_path_skips_the_keys_a_query_block_cannot_see():
+    """Query block i multiplies only by the keys up to its last row: score blocks [16, 16], [16, 32], [16, 48]
+    and the last one (50 = 3 x 16 + 2) [2, 50]; none is the whole [50, 50] square, and the work is
+    xla_work_multiple = sum(rows x keys) / (L^2 / 2) of the causal half (<= 0.6 of the square at 8,192)."""
+    from MaxOffload.models.layers import xla_work_multiple
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(1, 50, 2, 8)), jnp.float32)
+    k = v = jnp.asarray(rng.normal(size=(1, 50, 2, 8)), jnp.float32)
+    text = str(jax.make_jaxpr(lambda q, k, v: jnp.sum(causal_attention(q, k, v, block=16)))(q, k, v)).replace(" ", "")
+    for rows, keys in ((16, 16), (16, 32), (16, 48), (2, 50)):
+        assert f"{rows},{keys}]" in text, (rows, keys)
+    assert "50,50]" not in text
+    assert xla_work_multiple(50, 16) == pytest.approx((16 * 16 + 16 * 32 + 16 * 48 + 2 * 50) / (50 * 50 / 2))
+    assert xla_work_multiple(8192) / 2 <= 0.6 and xla_work_multiple(64) == 2.0

@@ -62,6 +62,8 @@ SCHEMA = {
         "tie_embeddings": (False, "share the token embedding with the output projection"),
         "param_dtype": ("float32", "parameter (and optimizer state) dtype: float32 | bfloat16"),
         "compute_dtype": ("bfloat16", "matmul/activation dtype: float32 | bfloat16"),
+        "attention": ("auto", "causal attention: auto (flash on GPUs, xla on CPU) | xla (query blocks that skip "
+                              "the keys they cannot see) | flash (tokamax's fused kernel; models/kernels.py)"),
         "scan_layers": (True, "scan over layers (compile time flat in depth); false = Python loop"),
         "init_std": (0.02, "standard deviation of the normal weight initialiser"),
     },

@@ -6,6 +6,7 @@ import re
 from MaxOffload.config import defaults
 from MaxOffload.config.defaults import flat_keys, get_path
 from MaxOffload.errors import ConfigError, require as _require, require_choice as _choice, suggest
+from MaxOffload.models import kernels
 from MaxOffload.offload import policy
 
 DTYPES = ("float32", "bfloat16")
@@ -118,6 +119,7 @@ def validate(cfg):
               "model.norm_eps", "model.rope_theta", "model.init_std")
     _choice("model.param_dtype", model.param_dtype, DTYPES)
     _choice("model.compute_dtype", model.compute_dtype, DTYPES)
+    _choice("model.attention", model.attention, kernels.ATTENTION)
     models.model_config(cfg).validate()  # the family's own checks
 
     _validate_remat(cfg)

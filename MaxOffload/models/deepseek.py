@@ -19,7 +19,7 @@ from flax import nnx
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models import components, kernels
 from MaxOffload.models.base import FromConfig
-from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, causal_attention, param
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
 from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE, RouterBias, updated_bias
@@ -129,6 +129,7 @@ class DeepSeekConfig(FromConfig):
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
+    attention: str = "auto"
     scan_layers: bool = True
     init_std: float = 0.02
 
@@ -238,9 +239,10 @@ class MLA(nnx.Module):
 
     def __init__(self, *, emb_dim, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, compute_dtype,
-                 init_std, rngs):
+                 init_std, rngs, attention="auto"):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
         self.rope_amplitude, self.softmax_scale, self.compute_dtype = rope_amplitude, softmax_scale, compute_dtype
+        self.attention_choice = attention
         self.nope, self.kv_lora_rank = qk_nope_head_dim, kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
         self.wq_a = param(rngs, (emb_dim, q_lora_rank), ("embed", "q_lora"), param_dtype, init_std)
@@ -273,7 +275,7 @@ class MLA(nnx.Module):
         k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        out = names.tag(causal_attention(q, k, v, self.softmax_scale), names.ATTENTION_OUT)
+        out = names.tag(attention(q, k, v, self.softmax_scale, self.attention_choice), names.ATTENTION_OUT)
         out = jnp.einsum("blhd,hde->ble", out, self.wo[...].astype(cdt))
         return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
@@ -293,7 +295,8 @@ class DecoderLayer(nnx.Module):
         self.attention = MLA(emb_dim=c.emb_dim, num_heads=c.num_heads, q_lora_rank=c.q_lora_rank,
                              kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                              qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, inv_freq=inv_freq,
-                             rope_amplitude=amplitude, softmax_scale=softmax_scale, norm_eps=c.norm_eps, **common)
+                             rope_amplitude=amplitude, softmax_scale=softmax_scale, norm_eps=c.norm_eps,
+                             attention=c.attention, **common)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         if moe:
             self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, top_k=c.num_experts_per_tok,

@@ -1,5 +1,6 @@
-"""Maintained kernels behind the model's calls: the grouped GEMM of dropless MoE through tokamax (Google's
-kernel library, which MaxText's GPU MoE uses), XLA's own op where it is exact and cheap (CPU).
+"""Maintained kernels behind the model's calls, through tokamax (Google's kernel library, which MaxText uses on
+GPUs): the grouped GEMM of dropless MoE and fused causal attention; XLA's own ops where they are exact and
+cheap (CPU).
 
 Why a kernel: XLA's GPU compiler rewrites `jax.lax.ragged_dot` into a dense dot, the rows expanded over every
 expert (experts x the FLOPs, gigabytes of temporaries; ../shared/REFERENCE.md 2b). tokamax's Pallas-Triton
@@ -13,8 +14,16 @@ GROUPED_GEMM, the values of `model.moe_kernel`:
     xla      jax.lax.ragged_dot
     tokamax  tokamax.ragged_dot: its Triton kernel on GPUs; on CPU its XLA implementation (same API and
              custom VJP, so the model's tokamax path runs and is tested on CPU)
+
+ATTENTION, the values of `model.attention`:
+    auto     flash on GPUs (deviceless compiles for GPU targets included), xla elsewhere
+    xla      models/layers.causal_attention: query blocks that attend only to the keys they can see
+    flash    tokamax.dot_product_attention(is_causal=True): its Pallas-Triton flash attention on GPUs (one fused
+             kernel per pass, scores never in HBM; GQA without repeating k/v, MLA's v head dim below q/k's); on
+             CPU its chunked XLA implementation (same API and custom VJP, so the path runs and is tested on CPU)
 """
 import contextlib
+import dataclasses
 import logging
 
 import jax
@@ -22,6 +31,10 @@ import jax
 GROUPED_GEMM = ("auto", "xla", "tokamax")
 # tokamax's implementation per platform of the devices the step runs on
 TOKAMAX_IMPLEMENTATION = {"gpu": "triton", "cpu": "xla"}
+
+
+ATTENTION = ("auto", "xla", "flash")
+FLASH_IMPLEMENTATION = {"gpu": "triton", "cpu": "xla_chunked"}
 
 
 def platform(device):
@@ -36,7 +49,29 @@ def resolve(choice, on):
         choice = "tokamax" if on == "gpu" else "xla"
     if choice == "tokamax":
         return f"tokamax:{TOKAMAX_IMPLEMENTATION.get(on, 'xla')}"
-    return choice
+    return choice  # 'xla', or already resolved
+
+
+def resolve_attention(choice, on):
+    """The attention kernel ('xla' | 'flash:<tokamax implementation>') for `model.attention=choice` on devices of
+    platform `on`."""
+    if choice == "auto":
+        choice = "flash" if on == "gpu" else "xla"
+    if choice == "flash":
+        return f"flash:{FLASH_IMPLEMENTATION.get(on, 'xla_chunked')}"
+    return choice  # 'xla', or already resolved
+
+
+def resolved(config, on):
+    """A model configuration with its kernel choices (`attention`, `moe_kernel` where the family has them)
+    resolved for devices of platform `on`: TrainSetup calls it with its mesh's devices (the models never read
+    the mesh)."""
+    changes = {}
+    if hasattr(config, "attention"):
+        changes["attention"] = resolve_attention(config.attention, on)
+    if hasattr(config, "moe_kernel"):
+        changes["moe_kernel"] = resolve(config.moe_kernel, on)
+    return dataclasses.replace(config, **changes)
 
 
 class _QuietMisses(logging.Filter):
@@ -78,6 +113,14 @@ def ragged_dot(lhs, rhs, group_sizes, kernel):
     # held. Zero them, as jax.lax.ragged_dot does, so no consumer can ever see stale values (a fused select)
     inside = jax.numpy.arange(lhs.shape[0]) < group_sizes.sum()
     return jax.numpy.where(inside[:, None], out, 0).astype(out.dtype)
+
+
+def flash_attention(q, k, v, scale, kernel, q_sharding=None):
+    """Causal attention by tokamax: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads, dv] ->
+    [b, l, heads, dv]. `kernel`: from resolve_attention; `q_sharding`: q's NamedSharding, so that the kernel runs
+    per shard (tokamax's shard_map: batch and heads split, a split sequence sees all keys)."""
+    return _import_tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True, q_sharding=q_sharding,
+                                                   implementation=kernel.split(":", 1)[1])
 
 
 def lowering(device):

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxOffload.models import components
+from MaxOffload.models import components, kernels
 from MaxOffload.models.rope import apply_rope, rope_inv_freq  # noqa: F401  (re-exported)
 from MaxOffload.offload import names
+from MaxOffload.parallel import logical
 from MaxOffload.parallel.logical import constrain
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
@@ -34,15 +35,41 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+Q_AXES = ("activation_batch", "activation_length", "activation_heads", "head_dim")
+BLOCK = 512  # query rows per block of the xla path
+
+
+def query_blocks(length, block=BLOCK):
+    """[(first row, stop)] of the xla path's query blocks: rows first..stop-1 attend to keys 0..stop-1."""
+    return [(start, min(start + block, length)) for start in range(0, length, block)]
+
+
+def xla_work_multiple(length, block=BLOCK):
+    """The xla path's score FLOPs as a multiple of the causal half the model counts (train/flops.py): each
+    block computes rows x visible keys, 2x for one block, (n + 1) / n for n equal blocks."""
+    return sum((stop - start) * stop for start, stop in query_blocks(length, block)) / (length * length / 2)
+
+
+def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK):
+    """The multiple of the model's attention FLOPs (the causal half: train/flops.py) the compiled step's
+    attention takes by construction under `kernel` (models/kernels.resolve_attention): the xla path's blocks
+    (xla_work_multiple); flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py
+    _attention_flops: (8 d + 6 dv) / (6 (d + dv)))."""
+    if kernel == "xla":
+        return xla_work_multiple(length, block)
+    return (length + 1) / length * (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
+
+
 @components.scoped(components.ATTENTION_SCORES)
-def causal_attention(q, k, v, scale=None, chunk=1024):
-    """Causal grouped-query attention without repeating k/v.
+def causal_attention(q, k, v, scale=None, block=BLOCK):
+    """Causal grouped-query attention without repeating k/v, in XLA.
 
     q: [b, l, heads, d]; k: [b, l, kv_heads, d]; v: [b, l, kv_heads, dv] with heads a multiple of
     kv_heads. Softmax in float32, scale 1/sqrt(d) unless given. Returns [b, l, heads, dv].
 
-    Sequences longer than `chunk` are processed in query blocks, each recomputed in the backward
-    pass, so the score matrix never exists whole: memory O(chunk x l) per head instead of O(l^2)
+    Query blocks of `block` rows (the last one shorter: any length works) attend only to the keys up to their
+    last row, so the work is about the causal half of the square (xla_work_multiple), and each block is
+    recomputed in the backward pass, so the score matrix never exists whole: memory O(block x l) per head
     (at l=8192, 128 heads, the full fp32 scores would be 34 GB per sequence and layer).
     """
     b, length, heads, d = q.shape
@@ -55,30 +82,41 @@ def causal_attention(q, k, v, scale=None, chunk=1024):
     qs, ss = ("blkgd", "bkgls") if group > 1 else ("blkd", "bkls")
     q = q.reshape(b, length, kv_heads, group, d) if group > 1 else q
 
-    def block(q_block, first_row):
+    def attend(q_block, k_seen, v_seen, first_row):
         rows = first_row + jnp.arange(q_block.shape[1])
-        scores = jnp.einsum(f"{qs},bskd->{ss}", q_block, k, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(rows[:, None] >= jnp.arange(length)[None, :], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.einsum(f"{qs},bskd->{ss}", q_block, k_seen, preferred_element_type=jnp.float32) * scale
+        seen = k_seen.shape[1]
+        scores = jnp.where(rows[:, None] >= jnp.arange(seen)[None, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum(f"{ss},bskd->{qs}", probs, v)
+        return jnp.einsum(f"{ss},bskd->{qs}", probs, v_seen)
 
-    if length <= chunk or length % chunk:
-        out = block(q, 0)
+    blocks = query_blocks(length, block)
+    if len(blocks) == 1:
+        out = attend(q, k, v, 0)
     else:
-        blocks = q.reshape(b, length // chunk, chunk, *q.shape[2:]).swapaxes(0, 1)
-        starts = jnp.arange(length // chunk) * chunk
-        out = jax.lax.map(lambda args: jax.checkpoint(block)(*args), (blocks, starts))
-        out = out.swapaxes(0, 1)
+        step = jax.checkpoint(attend, static_argnums=(3,))
+        out = jnp.concatenate([step(q[:, start:stop], k[:, :stop], v[:, :stop], start) for start, stop in blocks],
+                              axis=1)
     return out.reshape(b, length, heads, dv)
+
+
+def attention(q, k, v, scale, kernel):
+    """Causal attention by `kernel`: models/kernels.resolve_attention of `model.attention` (TrainSetup resolves
+    it for its devices; an unresolved choice is resolved here for this process's default device)."""
+    kernel = kernels.resolve_attention(kernel, kernels.platform(jax.devices()[0]))
+    if kernel == "xla":
+        return causal_attention(q, k, v, scale)
+    with jax.named_scope(components.ATTENTION_SCORES):
+        return kernels.flash_attention(q, k, v, scale, kernel, logical.sharding(Q_AXES))
 
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE."""
 
     def __init__(self, *, emb_dim, num_heads, num_kv_heads, head_dim, inv_freq, param_dtype,
-                 compute_dtype, init_std, rngs):
+                 compute_dtype, init_std, rngs, attention="auto"):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.attention = compute_dtype, attention
         self.wq = param(rngs, (emb_dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype, init_std)
         self.wk = param(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
                         param_dtype, init_std)
@@ -96,7 +134,7 @@ class Attention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = names.tag(causal_attention(q, k, v), names.ATTENTION_OUT)
+        out = names.tag(attention(q, k, v, None, self.attention), names.ATTENTION_OUT)
         out = jnp.einsum("blhd,hde->ble", out, self.wo[...].astype(cdt))
         return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 

@@ -56,6 +56,7 @@ class LlamaConfig(FromConfig):
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
+    attention: str = "auto"
     scan_layers: bool = True
     init_std: float = 0.02
 
@@ -99,7 +100,7 @@ class DecoderLayer(nnx.Module):
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, inv_freq=inv_freq, param_dtype=pdt, compute_dtype=cdt,
-                                   init_std=c.init_std, rngs=rngs)
+                                   init_std=c.init_std, rngs=rngs, attention=c.attention)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, param_dtype=pdt, compute_dtype=cdt,
                           init_std=c.init_std, rngs=rngs)

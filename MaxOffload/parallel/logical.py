@@ -81,6 +81,13 @@ def active():
     return getattr(_active, "value", None)
 
 
+def sharding(axes):
+    """The NamedSharding of logical `axes` on the mesh of the enclosing `activate` block, or None outside one
+    (for a kernel that runs per shard, e.g. tokamax's attention)."""
+    active = getattr(_active, "value", None)
+    return None if active is None else named_sharding(active[0], axes, active[1])
+
+
 def constrain(x, axes):
     """Sharding constraint by logical axes; a no-op outside `activate`."""
     active = getattr(_active, "value", None)

@@ -56,7 +56,8 @@ class TrainSetup:
         self.experts = ExpertLayout.of(mesh, rules)  # the MoE layers' exchange: from the mesh, once
         self.tx = optimizer.build(cfg.train)
         self.schedule = optimizer.schedule(cfg.train)
-        self.model_config = models.model_config(cfg)
+        # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
+        self.model_config = kernels.resolved(models.model_config(cfg), kernels.platform(mesh.devices.flat[0]))
         abstract_model = nnx.eval_shape(self._model)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
