@@ -9,7 +9,8 @@ Counted, per device and step:
   - cuBLAS GEMM custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`), from their dot dimension numbers;
   - tokamax kernels: from the shapes in tokamax's JSON of the op and its arguments (in the op name or
     metadata_payload; KERNEL_FLOPS), or else from the Triton kernel's name and operand shapes (TRITON_KERNELS):
-    the work of the whole buffer — an upper bound where a grouped GEMM skips the rows past its groups;
+    a grouped GEMM's over its whole buffer (an upper bound where it skips the rows past its groups), flash
+    attention's over the (query, key) pairs a causal kernel visits;
   - conditionals: the most expensive branch.
 Other kernels whose FLOPs the HLO cannot show (Triton / cuDNN / Mosaic custom calls) are listed by target.
 
@@ -427,7 +428,9 @@ def format_audit(report):
         lines.append(f"  {name:<17} {_pflop(e['compiled_flops']):>14}{against}, recompute "
                      f"{_pflop(e['recompute_flops'])}")
     if report.get("counted_kernels"):
-        lines.append("  kernels counted from their shapes (a grouped GEMM: its whole buffer, an upper bound): " + ", ".join(
+        bound = " (a grouped GEMM over its whole buffer: an upper bound)" if any(
+            "RaggedDot" in k for k in report["counted_kernels"]) else ""
+        lines.append(f"  kernels counted from their shapes{bound}: " + ", ".join(
             f"{k} x{v}" for k, v in sorted(report["counted_kernels"].items())))
     if report["unreadable_kernels"]:
         lines.append("  kernels whose FLOPs the HLO does not show: " + ", ".join(

@@ -19,13 +19,12 @@ behind the same call, as the Triton kernel cannot run here. Writes DIR/moe_kerne
 """
 import json
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
+from benchmarks.timing import median_seconds  # noqa: E402
 
 LOCAL_EXPERTS, EMB, MOE_MLP, TOP_K, EP = 32, 7168, 2048, 8, 8
 FACTOR = 1.25
@@ -84,14 +83,7 @@ def cpu_time(impl):
     rng = np.random.default_rng(0)
     arrays = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((r, d), (e, d, n), (e, d, n), (e, n, d))]
     sizes = jnp.full((e,), r // e, jnp.int32)
-    f = jax.jit(expert_block(impl, "cpu"))
-    jax.block_until_ready(f(*arrays, sizes))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*arrays, sizes))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(jax.jit(expert_block(impl, "cpu")), *arrays, sizes)
 
 
 def chart(rows, path):

@@ -130,6 +130,35 @@ def test_tokamax_kernels_are_counted_from_their_shapes_and_xla_remat_clones_are_
     assert any(line.startswith("  kernels counted from their shapes") for line in audit.format_audit(report))
 
 
+# tokamax's flash attention, q [2, 128, 4, 16] (b, T, heads, d), k/v [2, 128, 2, 16] (GQA), causal: forward
+# 2 x 2 x 4 x (128 x 129 / 2) x (16 + 16) pairs' work = 4,227,072 FLOPs; the VJP 2 x 2 x 4 x 8,256 x (3 x 16 +
+# 2 x 16) = 10,567,680 (its recomputed QK^T and dV, dP, dQ, dK)
+_FLASH = ('{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.attention.pallas_triton.PallasTritonFlashAttention\\"},'
+          '\\"arguments\\":{\\"q\\":\\"bf16[2,128,4,16]\\",\\"k\\":\\"bf16[2,128,2,16]\\",'
+          '\\"v\\":\\"bf16[2,128,2,16]\\",\\"mask\\":{\\"is_causal\\":true}}}')
+FLASH_MODULE = f"""HloModule jit_step
+
+ENTRY %main (q: bf16[2,128,4,16], k: bf16[2,128,2,16], v: bf16[2,128,2,16]) -> bf16[2,128,4,16] {{
+  %q = bf16[2,128,4,16]{{3,2,1,0}} parameter(0)
+  %k = bf16[2,128,2,16]{{3,2,1,0}} parameter(1)
+  %v = bf16[2,128,2,16]{{3,2,1,0}} parameter(2)
+  %pallas_call = bf16[2,128,4,16]{{3,2,1,0}} custom-call(%q, %k, %v), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="jit(step)/projections/attention_scores/shard_map/tokamax:{_FLASH}/pallas_call"}}
+  ROOT %pallas_call.1 = (bf16[2,128,4,16]{{3,2,1,0}}, bf16[2,128,4,16]{{3,2,1,0}}, bf16[2,128,4,16]{{3,2,1,0}}) custom-call(%q, %k, %v, %q), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={{bf16[2,128,4,16]{{3,2,1,0}}, bf16[2,128,2,16]{{3,2,1,0}}, bf16[2,128,2,16]{{3,2,1,0}}, bf16[2,128,4,16]{{3,2,1,0}}}}, metadata={{op_name="jit(step)/transpose(jvp(x))/projections/attention_scores/shard_map/pallas_call"}}, backend_config={{debug = false, name = "pallas_flash_attention_vjp", num_stages = 2 : i32}}
+}}
+"""
+
+
+def test_flash_attention_kernels_are_counted_from_their_shapes():
+    """The forward by its op JSON (jax 0.10), the VJP by its Triton kernel's name and operands (where the JSON is
+    dropped): the causal pairs T (T + 1) / 2, GQA's query heads."""
+    c = audit.count(FLASH_MODULE)
+    got = sorted((m.kind, m.component, m.phase, m.flops) for m in c.matmuls)
+    assert got == sorted([("PallasTritonFlashAttention", components.ATTENTION_SCORES, "forward", 4_227_072),
+                          ("PallasTritonFlashAttentionVjp", components.ATTENTION_SCORES, "backward", 10_567_680)])
+    lines = audit.format_audit(audit.audit(FLASH_MODULE, {components.ATTENTION_SCORES: 1}))
+    assert any(line.startswith("  kernels counted from their shapes: PallasTritonFlashAttention x1") for line in lines)
+
+
 def test_a_compiled_scan_with_remat_is_counted_exactly():
     """XLA:CPU's optimized module (operands printed without shapes: read from the defining instructions)."""
     def layer(x, w):

@@ -462,7 +462,12 @@ def test_classify_residuals_of_a_hand_built_scan():
 
 
 def test_parity_all_presets_and_groups(group_cfg):
+    """Every preset and the per-group config against full remat, through the flash attention path (tokamax's
+    custom VJP; its XLA implementation on CPU): its residuals are saved, offloaded or recomputed like any
+    other part of the layer. (The xla path's policies: tests/test_model.py's remat parity.)"""
     presets = [p for p in policy.PRESETS if p not in ("full", "custom")]
+    group_cfg = group_cfg.copy_and_resolve_references()
+    group_cfg.model.attention = "flash"
     ref_loss, tolerance, rows = parity.compare(resolve.train_setup(group_cfg), presets)
     assert tolerance == 1e-5  # float32
     assert abs(ref_loss - math.log(512)) < 0.1  # small-init model: about uniform over the vocabulary

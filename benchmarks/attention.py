@@ -1,0 +1,147 @@
+"""Causal attention, implementation by implementation, side by side in one run:
+python benchmarks/attention.py [--target gb200] [--tokens 8192] [--output_dir DIR]
+
+One attention forward + backward (the value and the gradients of q, k, v) at the head shapes of Llama 3.1 405B
+(128 query heads, 8 kv heads, head dim 128) and DeepSeek-V3 (MLA: 128 heads, q/k head dim 192, v 128), batch 1:
+
+    square   jax.nn.dot_product_attention(implementation="xla"): XLA's reference, the whole [L, L] score matrix
+             (what this project's attention fell back to when seq_len was no multiple of its chunk)
+    xla      models/layers.causal_attention: query blocks of 512 attending only to the keys they can see
+             (model.attention=xla)
+    flash    tokamax's flash attention (model.attention=flash; auto on GPUs): its Pallas-Triton kernel on GPUs
+
+For each: compiled matmul FLOPs (the audit's count; the flash kernels' from their shapes), as a multiple of the
+causal half's (2 (d + dv) L (L + 1) / 2 heads forward, 2x that backward), and temporaries per device, from the
+deviceless compile for --target. Then CPU time of each on a small shape (1,024 tokens, 8 heads, 2 kv heads,
+head dim 64, float32; median of 5 after a warm-up, all in this one process; flash = tokamax's chunked XLA
+implementation on CPU). Writes DIR/attention.json and .md.
+"""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
+from benchmarks.timing import median_seconds  # noqa: E402
+
+SHAPES = {"llama3_1_405b": dict(heads=128, kv_heads=8, qk_dim=128, v_dim=128),
+          "deepseek_v3": dict(heads=128, kv_heads=128, qk_dim=192, v_dim=128)}
+IMPLEMENTATIONS = ("square", "xla", "flash")
+SMALL = dict(length=1024, heads=8, kv_heads=2, qk_dim=64, v_dim=64)
+
+
+def attention_fn(impl, on):
+    """(q, k, v) -> causal attention [b, l, heads, dv] through `impl` for devices of platform `on`."""
+    import jax
+
+    from MaxOffload.models import kernels, layers
+
+    scale = None
+    if impl == "square":
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    if impl == "xla":
+        return lambda q, k, v: layers.causal_attention(q, k, v, scale)
+    kernel = kernels.resolve_attention("flash", on)
+    return lambda q, k, v: kernels.flash_attention(q, k, v, q.shape[-1] ** -0.5, kernel)
+
+
+def step(impl, on):
+    """The value and the q, k, v gradients of sum(attention . w): forward + backward, every product live."""
+    import jax
+    import jax.numpy as jnp
+
+    attend = attention_fn(impl, on)
+
+    def loss(q, k, v, w):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * w)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def causal_flops(length, heads, qk_dim, v_dim):
+    """Forward + backward matmul FLOPs of the causal half: 3 x 2 (d + dv) per visible pair and head."""
+    return 3 * 2 * (qk_dim + v_dim) * length * (length + 1) // 2 * heads
+
+
+def compiled(impl, shape, length, device):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from MaxOffload import audit
+    from MaxOffload.models import kernels
+
+    s = NamedSharding(jax.sharding.Mesh([device], ("x",)), PartitionSpec())
+    spec = lambda *d, dt=jnp.bfloat16: jax.ShapeDtypeStruct(d, dt, sharding=s)  # noqa: E731
+    args = (spec(1, length, shape["heads"], shape["qk_dim"]), spec(1, length, shape["kv_heads"], shape["qk_dim"]),
+            spec(1, length, shape["kv_heads"], shape["v_dim"]), spec(shape["v_dim"], dt=jnp.float32))
+    with kernels.lowering(device):
+        c = jax.jit(step(impl, kernels.platform(device))).lower(*args).compile()
+    flops = audit.count(c.as_text()).total
+    return {"compiled_flops": flops, "causal_flops": causal_flops(length, **{k: shape[k] for k in
+                                                                             ("heads", "qk_dim", "v_dim")}),
+            "temp_bytes": c.memory_analysis().temp_size_in_bytes}
+
+
+def cpu_time(impl):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    n, h, kv, d, dv = (SMALL[k] for k in ("length", "heads", "kv_heads", "qk_dim", "v_dim"))
+    rng = np.random.default_rng(0)
+    arrays = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, n, h, d), (1, n, kv, d), (1, n, kv, dv),
+                                                                          (dv,))]
+    return median_seconds(jax.jit(step(impl, "cpu")), *arrays)
+
+
+@tool
+def main(argv):
+    from MaxOffload import cli
+
+    argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS, options={"--tokens": "8192"})
+    from MaxOffload.platform import use_cpu_runtime
+
+    use_cpu_runtime()
+    from MaxOffload.config import ConfigError, load
+    from MaxOffload.deviceless import compile_only_devices, require_plugin
+
+    try:
+        lengths = [int(t) for t in options["--tokens"].split(",")]
+    except ValueError:
+        raise ConfigError(f"--tokens takes comma-separated integers, got {options['--tokens']!r}") from None
+    cfg = load(["configs/llama3_1.py:tiny", *argv])
+    require_plugin()
+    device = compile_only_devices(cfg.aot.target, "1x1x1")[0]
+    rows = []
+    for model, shape in SHAPES.items():
+        for length in lengths:
+            for impl in IMPLEMENTATIONS:
+                print(f"compiling {impl} for {model}'s heads at {length} tokens ({cfg.aot.target}, deviceless) ...",
+                      flush=True)
+                rows.append({"model": model, "tokens": length, "impl": impl, **compiled(impl, shape, length, device)})
+    cpu = {impl: cpu_time(impl) for impl in IMPLEMENTATIONS}
+    lines = [f"Causal attention forward + backward, batch 1, one {cfg.aot.target} (deviceless); FLOPs against the "
+             "causal half's", "", "| heads of | tokens | implementation | compiled TFLOP | / causal half | "
+             "temporaries |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['impl']} | {r['compiled_flops'] / 1e12:.2f} | "
+                     f"{r['compiled_flops'] / r['causal_flops']:.2f}x | {r['temp_bytes'] / 2**20:,.0f} MiB |")
+    lines += ["", f"CPU time, {SMALL['length']} tokens, {SMALL['heads']} heads / {SMALL['kv_heads']} kv heads, head "
+              f"dim {SMALL['qk_dim']}, float32, fwd + bwd (median of 5, one process; flash = tokamax's chunked XLA "
+              "implementation on CPU):", "", "| implementation | ms | vs xla |", "|---|---|---|"]
+    lines += [f"| {impl} | {t * 1e3:.2f} | {t / cpu['xla']:.2f}x |" for impl, t in cpu.items()]
+    print("\n".join(lines))
+    out = cfg.run.output_dir
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "attention.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "attention.json"), "w") as f:
+        json.dump({"target": cfg.aot.target, "rows": rows, "cpu_seconds": cpu, "small": SMALL}, f, indent=1)
+    print(f"wrote {os.path.join(out, 'attention.md')} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
