@@ -4,8 +4,8 @@ python benchmarks/attention.py [--target gb200] [--tokens 8192] [--output_dir DI
 One attention forward + backward (the value and the gradients of q, k, v) at the head shapes of Llama 3.1 405B
 (128 query heads, 8 kv heads, head dim 128) and DeepSeek-V3 (MLA: 128 heads, q/k head dim 192, v 128), batch 1:
 
-    square   jax.nn.dot_product_attention(implementation="xla"): XLA's reference, the whole [L, L] score matrix
-             (what this project's attention fell back to when seq_len was no multiple of its chunk)
+    square   the whole [L, L] causal score matrix in one einsum (k/v repeated per query head; what this
+             project's attention fell back to when seq_len was no multiple of its chunk)
     xla      models/layers.causal_attention: query blocks of 512 attending only to the keys they can see
              (model.attention=xla)
     flash    tokamax's flash attention (model.attention=flash; auto on GPUs): its Pallas-Triton kernel on GPUs
@@ -31,15 +31,24 @@ IMPLEMENTATIONS = ("square", "xla", "flash")
 SMALL = dict(length=1024, heads=8, kv_heads=2, qk_dim=64, v_dim=64)
 
 
+def square(q, k, v):
+    import jax
+    import jax.numpy as jnp
+
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("blhd,bshd->bhls", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    scores = jnp.where(jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool)), scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhls,bshd->blhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+
+
 def attention_fn(impl, on):
     """(q, k, v) -> causal attention [b, l, heads, dv] through `impl` for devices of platform `on`."""
-    import jax
-
     from MaxOffload.models import kernels, layers
 
     scale = None
     if impl == "square":
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        return square
     if impl == "xla":
         return lambda q, k, v: layers.causal_attention(q, k, v, scale)
     kernel = kernels.resolve_attention("flash", on)

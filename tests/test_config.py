@@ -4,9 +4,9 @@ CLI contract: `python train.py CONFIG.py[:ARG] [a.b=value | --config.a.b=value |
 any user mistake gives exactly one line on stderr starting with "error: " (naming the key or file and
 the fix), exit status 2, and no traceback.
 """
-import concurrent.futures
 import json
 import os
+import subprocess
 
 import ml_collections
 import pytest
@@ -301,15 +301,19 @@ def _error_cases(tmp):
 
 @pytest.fixture(scope="module")
 def error_results(tmp_path_factory):
-    """Runs every bad input once (three at a time: each is a short-lived Python + JAX import)."""
+    """Runs every bad input once, all in one `train.py` process (tests/helpers/train_many.py: each case's own
+    stdout/stderr at the file descriptors, its exit status), not one Python + JAX start-up per case."""
     from conftest import run_cli
 
-    tmp = str(tmp_path_factory.mktemp("bad_inputs"))
-    cases = _error_cases(tmp)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {name: pool.submit(run_cli, ["train.py", *argv], timeout=300)
-                   for name, (argv, _) in cases.items()}
-        return {name: (future.result(), cases[name][1]) for name, future in futures.items()}
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    cases = _error_cases(str(tmp))
+    (tmp / "cases.json").write_text(json.dumps([argv for argv, _ in cases.values()]))
+    ran = run_cli([os.path.join("tests", "helpers", "train_many.py"), str(tmp / "cases.json"),
+                   str(tmp / "results.json")], timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    results = json.loads((tmp / "results.json").read_text())
+    return {name: (subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"]), words)
+            for (name, (argv, words)), r in zip(cases.items(), results)}
 
 
 def _case_ids():

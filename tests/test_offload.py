@@ -462,12 +462,7 @@ def test_classify_residuals_of_a_hand_built_scan():
 
 
 def test_parity_all_presets_and_groups(group_cfg):
-    """Every preset and the per-group config against full remat, through the flash attention path (tokamax's
-    custom VJP; its XLA implementation on CPU): its residuals are saved, offloaded or recomputed like any
-    other part of the layer. (The xla path's policies: tests/test_model.py's remat parity.)"""
     presets = [p for p in policy.PRESETS if p not in ("full", "custom")]
-    group_cfg = group_cfg.copy_and_resolve_references()
-    group_cfg.model.attention = "flash"
     ref_loss, tolerance, rows = parity.compare(resolve.train_setup(group_cfg), presets)
     assert tolerance == 1e-5  # float32
     assert abs(ref_loss - math.log(512)) < 0.1  # small-init model: about uniform over the vocabulary
@@ -477,6 +472,16 @@ def test_parity_all_presets_and_groups(group_cfg):
         assert loss_diff == 0 or loss_diff < 1e-6, (label, loss_diff)
         assert grad_diff < 1e-6, (label, grad_diff)
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), label
+
+
+def test_parity_through_the_flash_attention_path(tmp_path):
+    """The flash path (tokamax's custom VJP; its XLA implementation on CPU) under offloading (q/k/v and the
+    MLP inputs to the host) and under save_all (the kernel's own residuals kept) against full remat."""
+    cfg = tiny(tmp_path, "model.attention=flash", "remat.policy=minimal_offloaded")
+    ref_loss, tolerance, rows = parity.compare(resolve.train_setup(cfg), ["save_all"])
+    assert tolerance == 1e-5 and [row[0] for row in rows] == ["this config", "save_all"]
+    for label, loss, loss_diff, grad_diff, ok in rows:
+        assert ok and grad_diff < 1e-6 and abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (label, loss, grad_diff)
 
 
 def test_parity_gate_can_fail(tmp_path, monkeypatch):
