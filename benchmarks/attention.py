@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
-from benchmarks.timing import median_seconds  # noqa: E402
+from benchmarks.common import median_seconds, start  # noqa: E402
 
 SHAPES = {"llama3_1_405b": dict(heads=128, kv_heads=8, qk_dim=128, v_dim=128),
           "deepseek_v3": dict(heads=128, kv_heads=128, qk_dim=192, v_dim=128)}
@@ -107,22 +107,8 @@ def cpu_time(impl):
 
 @tool
 def main(argv):
-    from MaxOffload import cli
-
-    argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS, options={"--tokens": "8192"})
-    from MaxOffload.platform import use_cpu_runtime
-
-    use_cpu_runtime()
-    from MaxOffload.config import ConfigError, load
-    from MaxOffload.deviceless import compile_only_devices, require_plugin
-
-    try:
-        lengths = [int(t) for t in options["--tokens"].split(",")]
-    except ValueError:
-        raise ConfigError(f"--tokens takes comma-separated integers, got {options['--tokens']!r}") from None
-    cfg = load(["configs/llama3_1.py:tiny", *argv])
-    require_plugin()
-    device = compile_only_devices(cfg.aot.target, "1x1x1")[0]
+    cfg, lengths, devices = start(argv, __doc__, "configs/llama3_1.py:tiny", "8192")
+    device = devices[0]
     rows = []
     for model, shape in SHAPES.items():
         for length in lengths:

@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
-from benchmarks.timing import median_seconds  # noqa: E402
+from benchmarks.common import median_seconds, start  # noqa: E402
 
 LOCAL_EXPERTS, EMB, MOE_MLP, TOP_K, EP = 32, 7168, 2048, 8, 8
 FACTOR = 1.25
@@ -110,22 +110,7 @@ def chart(rows, path):
 
 @tool
 def main(argv):
-    from MaxOffload import cli
-
-    argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS, options={"--tokens": "4096,8192"})
-    from MaxOffload.platform import use_cpu_runtime
-
-    use_cpu_runtime()
-    from MaxOffload.config import ConfigError, load
-    from MaxOffload.deviceless import compile_only_devices, require_plugin
-
-    try:
-        tokens = [int(t) for t in options["--tokens"].split(",")]
-    except ValueError:
-        raise ConfigError(f"--tokens takes comma-separated integers, got {options['--tokens']!r}") from None
-    cfg = load(["configs/deepseek_v3.py:small", *argv])
-    require_plugin()
-    devices = compile_only_devices(cfg.aot.target, "1x1x1")
+    cfg, tokens, devices = start(argv, __doc__, "configs/deepseek_v3.py:small", "4096,8192")
     rows = []
     for n in tokens:
         for impl in IMPLEMENTATIONS:

@@ -491,3 +491,15 @@ def test_the_xla_path_skips_the_keys_a_query_block_cannot_see():
     assert "50,50]" not in text
     assert xla_work_multiple(50, 16) == pytest.approx((16 * 16 + 16 * 32 + 16 * 48 + 2 * 50) / (50 * 50 / 2))
     assert xla_work_multiple(8192) / 2 <= 0.6 and xla_work_multiple(64) == 2.0
+
+
+def test_kernel_choices_resolve_per_platform():
+    """auto: tokamax on GPUs (deviceless compiles for GPU targets included), XLA on CPU; an explicit choice is
+    tokamax's implementation for the platform; a resolved name stays as it is (TrainSetup resolves once)."""
+    from MaxOffload.models import kernels
+
+    assert [kernels.resolve_attention(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("flash", "cpu"),
+                                                           ("xla", "gpu"), ("flash:triton", "cpu"))] == [
+        "flash:triton", "xla", "flash:xla_chunked", "xla", "flash:triton"]
+    assert [kernels.resolve(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("tokamax", "cpu"))] == [
+        "tokamax:triton", "xla", "tokamax:xla"]

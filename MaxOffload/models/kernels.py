@@ -42,24 +42,25 @@ def platform(device):
     return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
 
 
+def _resolve(choice, on, library, implementations):
+    """`auto`: `library` on GPUs, 'xla' elsewhere; `library` -> '<library>:<its implementation for platform on>'."""
+    if choice == "auto":
+        choice = library if on == "gpu" else "xla"
+    if choice == library:
+        return f"{library}:{implementations.get(on, implementations['cpu'])}"
+    return choice  # 'xla', or already resolved
+
+
 def resolve(choice, on):
     """The grouped-GEMM kernel ('xla' | 'tokamax:<implementation>') for `model.moe_kernel=choice` on devices of
     platform `on`."""
-    if choice == "auto":
-        choice = "tokamax" if on == "gpu" else "xla"
-    if choice == "tokamax":
-        return f"tokamax:{TOKAMAX_IMPLEMENTATION.get(on, 'xla')}"
-    return choice  # 'xla', or already resolved
+    return _resolve(choice, on, "tokamax", TOKAMAX_IMPLEMENTATION)
 
 
 def resolve_attention(choice, on):
     """The attention kernel ('xla' | 'flash:<tokamax implementation>') for `model.attention=choice` on devices of
     platform `on`."""
-    if choice == "auto":
-        choice = "flash" if on == "gpu" else "xla"
-    if choice == "flash":
-        return f"flash:{FLASH_IMPLEMENTATION.get(on, 'xla_chunked')}"
-    return choice  # 'xla', or already resolved
+    return _resolve(choice, on, "flash", FLASH_IMPLEMENTATION)
 
 
 def resolved(config, on):
