@@ -16,14 +16,13 @@ deviceless compile for --target. Then CPU time of each on a small shape (1,024 t
 head dim 64, float32; median of 5 after a warm-up, all in this one process; flash = tokamax's chunked XLA
 implementation on CPU). Writes DIR/attention.json and .md.
 """
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
-from benchmarks.common import median_seconds, start  # noqa: E402
+from benchmarks.common import cpu_table, median_seconds, start, write  # noqa: E402
 
 SHAPES = {"llama3_1_405b": dict(heads=128, kv_heads=8, qk_dim=128, v_dim=128),
           "deepseek_v3": dict(heads=128, kv_heads=128, qk_dim=192, v_dim=128)}
@@ -123,18 +122,12 @@ def main(argv):
     for r in rows:
         lines.append(f"| {r['model']} | {r['tokens']} | {r['impl']} | {r['compiled_flops'] / 1e12:.2f} | "
                      f"{r['compiled_flops'] / r['causal_flops']:.2f}x | {r['temp_bytes'] / 2**20:,.0f} MiB |")
-    lines += ["", f"CPU time, {SMALL['length']} tokens, {SMALL['heads']} heads / {SMALL['kv_heads']} kv heads, head "
-              f"dim {SMALL['qk_dim']}, float32, fwd + bwd (median of 5, one process; flash = tokamax's chunked XLA "
-              "implementation on CPU):", "", "| implementation | ms | vs xla |", "|---|---|---|"]
-    lines += [f"| {impl} | {t * 1e3:.2f} | {t / cpu['xla']:.2f}x |" for impl, t in cpu.items()]
-    print("\n".join(lines))
-    out = cfg.run.output_dir
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "attention.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "attention.json"), "w") as f:
-        json.dump({"target": cfg.aot.target, "rows": rows, "cpu_seconds": cpu, "small": SMALL}, f, indent=1)
-    print(f"wrote {os.path.join(out, 'attention.md')} and .json")
+    lines += cpu_table(f"CPU time, {SMALL['length']} tokens, {SMALL['heads']} heads / {SMALL['kv_heads']} kv heads, "
+                       f"head dim {SMALL['qk_dim']}, float32, fwd + bwd (median of 5, one process; flash = tokamax's "
+                       "chunked XLA implementation on CPU):", cpu, "xla")
+    path = write(cfg.run.output_dir, "attention", lines,
+                 {"target": cfg.aot.target, "rows": rows, "cpu_seconds": cpu, "small": SMALL})
+    print(f"wrote {path} and .json")
     return 0
 
 

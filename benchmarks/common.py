@@ -36,3 +36,23 @@ def median_seconds(fn, *args, repeats=5):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def cpu_table(title, seconds, base):
+    """Markdown lines: each implementation's CPU time and its ratio to `base`'s, measured side by side."""
+    return (["", title, "", f"| implementation | ms | vs {base} |", "|---|---|---|"]
+            + [f"| {impl} | {t * 1e3:.2f} | {t / seconds[base]:.2f}x |" for impl, t in seconds.items()])
+
+
+def write(out, name, lines, record):
+    """Prints `lines`, writes them to OUT/NAME.md and `record` to OUT/NAME.json; returns the .md path."""
+    import json
+    import os
+
+    print("\n".join(lines))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    return os.path.join(out, f"{name}.md")

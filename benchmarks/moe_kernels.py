@@ -17,14 +17,13 @@ matmuls x 3 (forward, two gradients). Then CPU time of each on a small shape (ro
 moe_mlp 128; median of 5 after a warm-up, all in this one process): on CPU tokamax runs its XLA implementation
 behind the same call, as the Triton kernel cannot run here. Writes DIR/moe_kernels.json, .md and .png.
 """
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
-from benchmarks.common import median_seconds, start  # noqa: E402
+from benchmarks.common import cpu_table, median_seconds, start, write  # noqa: E402
 
 LOCAL_EXPERTS, EMB, MOE_MLP, TOP_K, EP = 32, 7168, 2048, 8, 8
 FACTOR = 1.25
@@ -125,21 +124,13 @@ def main(argv):
         lines.append(f"| {r['impl']} | {r['tokens']} | {r['rows']} | {r['compiled_flops'] / 1e12:.2f} | "
                      f"{r['compiled_flops'] / r['ideal_flops']:.2f}x | {r['temp_bytes'] / 2**20:,.0f} MiB | "
                      f"{r['argument_bytes'] / 2**20:,.0f} MiB |")
-    base = cpu["capacity"]
-    lines += ["", f"CPU time, rows {SMALL['rows']}, {SMALL['experts']} experts, emb {SMALL['emb']}, moe_mlp "
-              f"{SMALL['mlp']}, float32, fwd + bwd (median of 5, one process; tokamax = its XLA implementation "
-              "on CPU):", "", "| implementation | ms | vs capacity |", "|---|---|---|"]
-    lines += [f"| {impl} | {t * 1e3:.2f} | {t / base:.2f}x |" for impl, t in cpu.items()]
-    print("\n".join(lines))
-    out = cfg.run.output_dir
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "moe_kernels.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "moe_kernels.json"), "w") as f:
-        json.dump({"target": cfg.aot.target, "factor": FACTOR, "rows": rows, "cpu_seconds": cpu, "small": SMALL},
-                  f, indent=1)
-    chart(rows, os.path.join(out, "moe_kernels.png"))
-    print(f"wrote {os.path.join(out, 'moe_kernels.md')}, .json and .png")
+    lines += cpu_table(f"CPU time, rows {SMALL['rows']}, {SMALL['experts']} experts, emb {SMALL['emb']}, moe_mlp "
+                       f"{SMALL['mlp']}, float32, fwd + bwd (median of 5, one process; tokamax = its XLA "
+                       "implementation on CPU):", cpu, "capacity")
+    path = write(cfg.run.output_dir, "moe_kernels", lines, {"target": cfg.aot.target, "factor": FACTOR, "rows": rows,
+                                                              "cpu_seconds": cpu, "small": SMALL})
+    chart(rows, os.path.join(cfg.run.output_dir, "moe_kernels.png"))
+    print(f"wrote {path}, .json and .png")
     return 0
 
 
