@@ -14,6 +14,7 @@ import jax
 
 from MaxOffload import data as data_lib
 from MaxOffload import hardware
+from MaxOffload.models import kernels
 from MaxOffload.config.loader import describe
 from MaxOffload.errors import ConfigError
 from MaxOffload.train.flops import train_flops_per_step
@@ -88,8 +89,9 @@ def verify_parity(setup):
 
 
 def platform_of(setup):
-    """'gpu', 'cpu', ...: the platform the run's devices belong to."""
-    return setup.mesh.devices.flat[0].platform
+    """'gpu', 'cpu', ...: the platform the run's devices belong to (models/kernels.platform: 'cuda' and 'rocm'
+    devices say 'gpu', as the kernel choices do)."""
+    return kernels.platform(setup.mesh.devices.flat[0])
 
 
 class Preempted(Exception):
