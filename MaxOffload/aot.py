@@ -23,6 +23,7 @@ import time
 from MaxOffload import audit
 from MaxOffload.cli import tool
 from MaxOffload.memory import compiled_bytes
+from MaxOffload.reports import gib
 from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing, require_plugin  # noqa: F401  (re-exported)
 
 
@@ -67,23 +68,19 @@ def build_report(cfg, plan, target, topology):
     }
 
 
-def _gib(n):
-    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
-
-
 def format_report(r):
     verdict = "FITS" if r["hbm_fits"] else "DOES NOT FIT"
     lines = [f"{r['params_total'] / 1e9:,.4g}B parameters on {r['devices']} x {r['accelerator']} "
              f"(topology {r['topology']}, mesh {r['mesh']}); compiled in {r['compile_time_s']:.1f} s",
-             f"HBM per device: arguments {_gib(r['argument_bytes_per_device'])} (params + optimizer state "
-             f"{_gib(r['state_bytes_per_device'] - r['host_state_bytes_per_device'])} on the device) + temporaries "
-             f"{_gib(r['temp_bytes_per_device'])} + outputs {_gib(r['output_bytes_per_device'])} - donated "
-             f"{_gib(r['alias_bytes_per_device'])} = {_gib(r['hbm_bytes_per_device'])}",
-             f"  of {_gib(r['hbm_capacity_bytes'])}, {_gib(r['hbm_usable_bytes'])} usable at launch.mem_fraction: "
-             f"{verdict} (headroom {_gib(r['headroom_bytes'])})",
-             f"pinned host memory per device: {_gib(r['host_bytes_per_device'])} (offloaded activations "
-             f"{_gib(r['host_temp_bytes_per_device'])}, host-resident state {_gib(r['host_state_bytes_per_device'])}) "
-             f"of {_gib(r['host_ram_per_gpu_bytes'])} host RAM per GPU ({_gib(r['host_usable_bytes'])} usable): "
+             f"HBM per device: arguments {gib(r['argument_bytes_per_device'])} (params + optimizer state "
+             f"{gib(r['state_bytes_per_device'] - r['host_state_bytes_per_device'])} on the device) + temporaries "
+             f"{gib(r['temp_bytes_per_device'])} + outputs {gib(r['output_bytes_per_device'])} - donated "
+             f"{gib(r['alias_bytes_per_device'])} = {gib(r['hbm_bytes_per_device'])}",
+             f"  of {gib(r['hbm_capacity_bytes'])}, {gib(r['hbm_usable_bytes'])} usable at launch.mem_fraction: "
+             f"{verdict} (headroom {gib(r['headroom_bytes'])})",
+             f"pinned host memory per device: {gib(r['host_bytes_per_device'])} (offloaded activations "
+             f"{gib(r['host_temp_bytes_per_device'])}, host-resident state {gib(r['host_state_bytes_per_device'])}) "
+             f"of {gib(r['host_ram_per_gpu_bytes'])} host RAM per GPU ({gib(r['host_usable_bytes'])} usable): "
              f"{'FITS' if r['host_fits'] else 'DOES NOT FIT'}",
              f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}"]
     for label, names in r["offloaded"].items():

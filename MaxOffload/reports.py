@@ -5,6 +5,11 @@ import os
 from MaxOffload.errors import ConfigError
 
 
+def gib(n):
+    """n bytes as GiB, or MiB below one GiB, for a tool's report lines."""
+    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
 def unwritable_dir(path):
     """Creates directory `path` (and its parents) and checks a file can be written there: None, or why not."""
     try:

@@ -18,6 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.reports import gib
 from MaxOffload.train import integrity
 
 
@@ -60,12 +61,13 @@ def _mismatch(path, error, output_dir):
     return f"checkpoint {path} was saved for {kind}: {error}; {resume}, or choose a new run.output_dir"
 
 
+def _first_line(error, limit):
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
 def _tree_bytes(path):
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
-
-
-def _gib(n):
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _out_of_space(error):
@@ -128,7 +130,6 @@ class Checkpointer:
         self.failed = False  # a save failed: its error was raised once, close() only releases the threads
         self.orbax_errors = _OrbaxErrors()
         logging.getLogger("absl").addFilter(self.orbax_errors)
-        sys.unraisablehook = _unraisable(sys.unraisablehook)
 
     def has(self, step):
         """Whether a sound checkpoint of `step` exists (a damaged one is to be replaced)."""
@@ -153,6 +154,7 @@ class Checkpointer:
             step, self.unsealed, self.failed = self.unsealed, None, True
             self.orbax_errors.held.clear()  # they are about this error
             logging.getLogger("asyncio").addFilter(_FailedSaveTasks(self.directory))
+            sys.unraisablehook = _unraisable(sys.unraisablehook)
             raise self._save_failed(step, e) from None
         self.orbax_errors.release(logging.getLogger("absl"))
         if self.unsealed is not None:
@@ -174,12 +176,11 @@ class Checkpointer:
             free = shutil.disk_usage(self.directory).free
             keep = self.cfg.checkpoint.keep
             return ConfigError(f"checkpoint of step {step} not saved: {self.directory} is out of space "
-                               f"({_gib(free)} free, a checkpoint needs about {_gib(need)}; checkpoint.keep={keep} "
+                               f"({gib(free)} free, a checkpoint needs about {gib(need)}; checkpoint.keep={keep} "
                                f"holds up to {keep} plus the one being written); free at least "
-                               f"{_gib(max(need - free, 0))} there, then rerun: {resume}")
-        text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+                               f"{gib(max(need - free, 0))} there, then rerun: {resume}")
         return ConfigError(f"checkpoint of step {step} not saved in {self.directory} ({type(error).__name__}: "
-                           f"{text}); {resume}")
+                           f"{_first_line(error, 300)}); {resume}")
 
     def close(self):
         try:
@@ -208,7 +209,7 @@ class Checkpointer:
             except integrity.Mismatch as e:  # intact, but another model or optimizer: not a reason to fall back
                 raise ConfigError(_mismatch(path, e, self.cfg.run.output_dir)) from None
             except Exception as e:  # damaged or unreadable: say which, and what to do
-                text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                text = _first_line(e, 200)
                 reason = text if isinstance(e, integrity.Damaged) else f"{type(e).__name__}: {text}"
                 older = steps[i + 1] if i + 1 < len(steps) else None
                 if not self.cfg.checkpoint.fallback_to_previous or older is None:
