@@ -178,15 +178,19 @@ def _triton_ragged_dot_flops(operands, out):
 
 TRITON_KERNELS = {name: ("PallasTritonRaggedDot", _triton_ragged_dot_flops)
                   for name in ("_ragged_dot_kernel", "_ragged_contracting_dim_dot_kernel")}
-# tokamax's flash attention: operands (q, k, v, ...); the model calls it causal only (models/layers.attention)
-TRITON_KERNELS.update({
-    "pallas_flash_attention": ("PallasTritonFlashAttention", lambda ops, out: _attention_flops(ops[0], ops[2], True,
-                                                                                              False)),
-    "pallas_flash_attention_fwd_res": ("PallasTritonFlashAttention",
-                                       lambda ops, out: _attention_flops(ops[0], ops[2], True, False)),
-    "pallas_flash_attention_vjp": ("PallasTritonFlashAttentionVjp",
-                                   lambda ops, out: _attention_flops(ops[0], ops[2], True, True)),
-})
+# tokamax's flash attention: operands (q, k, v, ...); the model calls it causal only (models/layers.attention).
+# Its forward comes as two kernels (without and with the residuals the VJP reads), both one forward pass.
+def _triton_flash_forward_flops(operands, out):
+    return _attention_flops(operands[0], operands[2], True, False)
+
+
+def _triton_flash_vjp_flops(operands, out):
+    return _attention_flops(operands[0], operands[2], True, True)
+
+
+TRITON_KERNELS.update({name: ("PallasTritonFlashAttention", _triton_flash_forward_flops)
+                       for name in ("pallas_flash_attention", "pallas_flash_attention_fwd_res")})
+TRITON_KERNELS["pallas_flash_attention_vjp"] = ("PallasTritonFlashAttentionVjp", _triton_flash_vjp_flops)
 
 
 def triton_flops(ins):
