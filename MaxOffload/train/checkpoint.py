@@ -109,12 +109,19 @@ class _FailedSaveTasks(logging.Filter):
         return not ("never retrieved" in record.getMessage() and self.directory in record.getMessage())
 
 
-def _unraisable(hook):
-    """sys.unraisablehook without the 'Event loop is closed' of tensorstore callbacks that outlive a failed save."""
+def _quiet_closed_loop_callbacks():
+    """Installs, once per process, a sys.unraisablehook without the 'Event loop is closed' of tensorstore
+    callbacks that outlive a failed save. It must be in place before any save: the save thread's event loop
+    closes, and those callbacks fire, before the main thread learns that the save failed."""
+    hook = sys.unraisablehook
+    if getattr(hook, "quiets_closed_loops", False):
+        return
+
     def quiet(unraisable):
         if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
             hook(unraisable)
-    return quiet
+    quiet.quiets_closed_loops = True
+    sys.unraisablehook = quiet
 
 
 class Checkpointer:
@@ -130,6 +137,7 @@ class Checkpointer:
         self.failed = False  # a save failed: its error was raised once, close() only releases the threads
         self.orbax_errors = _OrbaxErrors()
         logging.getLogger("absl").addFilter(self.orbax_errors)
+        _quiet_closed_loop_callbacks()
 
     def has(self, step):
         """Whether a sound checkpoint of `step` exists (a damaged one is to be replaced)."""
@@ -154,7 +162,6 @@ class Checkpointer:
             step, self.unsealed, self.failed = self.unsealed, None, True
             self.orbax_errors.held.clear()  # they are about this error
             logging.getLogger("asyncio").addFilter(_FailedSaveTasks(self.directory))
-            sys.unraisablehook = _unraisable(sys.unraisablehook)
             raise self._save_failed(step, e) from None
         self.orbax_errors.release(logging.getLogger("absl"))
         if self.unsealed is not None:
