@@ -1,10 +1,10 @@
 """DeepSeek-V3 with activation host offloading (the JAX-Toolbox recipe; at 671b extended to fit, below):
 configs/deepseek_v3_offload.py:671b | :tiny | :small.
 
-In the MoE layers the routed experts' input projections (moe_mlpwi_0/1) go to pinned host memory,
-the query/key/value projections are recomputed and every other tagged activation stays in HBM.
-The dense layers (the first 3) get the same settings without the routed-expert names, which
-they do not have.
+In the MoE layers (and the MoE block of multi-token prediction after them, when model.mtp_depth > 0)
+the routed experts' input projections (moe_mlpwi_0/1) go to pinned host memory, the query/key/value
+projections are recomputed and every other tagged activation stays in HBM. The dense layers (the
+first 3) get the same settings without the routed-expert names, which they do not have.
 
 671b mesh: FSDP16 x EP8 on 128 GPUs: mesh.ici.expert=8 and mesh.ici.fsdp=-1 (the remaining 16). The
 batch is sharded over data x fsdp x expert = all 128 devices; the 256 routed experts are split 8 ways
@@ -32,7 +32,10 @@ def get_config(size="671b"):
         cfg.remat.tensors[name] = "remat"
     for name in DEVICE:
         cfg.remat.tensors[name] = "device"
-    add_layer_group(cfg, "moe", layers="moe", moe_mlpwi_0="offload", moe_mlpwi_1="offload", moe_mlpwo="device")
+    # every layer from the first MoE layer on: the MoE layers and the MTP blocks, if any (a range, so that
+    # model.mtp_depth=0 on the command line needs no other change)
+    add_layer_group(cfg, "moe", layers=f"{cfg.model.first_k_dense}-", moe_mlpwi_0="offload", moe_mlpwi_1="offload",
+                    moe_mlpwo="device")
     if size == "671b":
         # Fit on 128 GB200s (python -m MaxOffload.aot ... --topology 2x16x4: 119.0 GiB HBM of 165.9 usable,
         # 60.3 GiB host, 1.34x the model FLOPs compiled). Dropless, through tokamax's grouped GEMM on GPUs

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, process_env, run_cli
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=32", "train.per_device_batch_size=2", "train.warmup_steps=2",
         "train.eval_every=0", "model.compute_dtype=float32", "run.log_every=1"]
@@ -27,7 +27,7 @@ def losses(out):
 
 def start(args, env=None):
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **(env or {})))
+                            stderr=subprocess.STDOUT, text=True, env=process_env(["train.py"], env))
 
 
 def wait_for_step(proc, step, lines):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ROOT
+from conftest import ROOT, process_env
 from test_model import checkpoint_names  # the jaxpr walker, itself tested there
 from MaxOffload import resolve
 from MaxOffload import models
@@ -25,7 +25,7 @@ from MaxOffload.train.flops import train_flops_per_step
 
 EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 TINY = "configs/deepseek_v3.py:tiny"
-PUBLISHED_671B = 671.0e9  # the main model; the released checkpoint adds a 14B MTP module (685B)
+PUBLISHED_671B = 671.0e9  # the main model; the released checkpoint adds a 14B MTP module (685B: test_mtp.py)
 # two processes, one per core: dropless and capacity mode, each against its single-device reference
 EP_RUNS = {
     "single": ["single"],
@@ -54,7 +54,7 @@ class Background:
     def start(self, name, args, env=None):
         out = open(os.path.join(self.tmp, f"{name}.out"), "w")
         err = open(os.path.join(self.tmp, f"{name}.err"), "w")
-        self.procs[name] = (subprocess.Popen([sys.executable, *args], cwd=ROOT, env=dict(os.environ, **(env or {})),
+        self.procs[name] = (subprocess.Popen([sys.executable, *args], cwd=ROOT, env=process_env(args, env),
                                              stdout=out, stderr=err, text=True), out, err)
 
     def result(self, name, timeout=600):
@@ -502,7 +502,7 @@ def test_invalid_deepseek_config_is_one_clear_line(overrides, words):
 
 
 def test_671b_parameter_count_by_hand():
-    cfg = load(["configs/deepseek_v3.py:671b"])
+    cfg = load(["configs/deepseek_v3.py:671b", "model.mtp_depth=0"])  # the main model (its MTP: test_mtp.py)
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: resolve.model(cfg)),
                                                                        nnx.Param)))
     d, vocab, heads = 7168, 129280, 128
@@ -551,10 +551,13 @@ def test_dry_run_671b(cli, tmp_path):
     assert result.returncode == 0, result.stderr
     assert seconds < 60, f"dry run took {seconds:.0f} s"
     summary = json.loads((tmp_path / "dry_run.json").read_text())["summary"]
-    assert summary["params_total"] == 671_026_404_352
+    # with its MTP block (test_mtp.py counts it by hand), which also attends: 61 + 1 layers of attention
+    assert summary["params_total"] == 682_636_472_320
+    assert summary["params_as_released"] == 682_636_472_320 + 2 * 129280 * 7168
+    assert "682.6B parameters (684.5B as released)" in result.stdout
     assert summary["model_flops_per_step"] == pytest.approx(
         6 * 4096 * models.model_config(load(["configs/deepseek_v3.py:671b"])).matmul_params_per_token()
-        + 6 * 4096 * 61 * 4096 * 128 * (192 + 128) / 2, rel=1e-9)
+        + 6 * 4096 * 62 * 4096 * 128 * (192 + 128) / 2, rel=1e-9)
 
 
 def test_offload_recipe_fits_128_devices_fsdp16_ep8(background):
@@ -562,8 +565,9 @@ def test_offload_recipe_fits_128_devices_fsdp16_ep8(background):
     assert code == 0, err
     assert "fsdp=16 x expert=8" in out
     summary = json.load(open(os.path.join(background.tmp, "recipe", "dry_run.json")))["summary"]
-    # fp32 params + Adam: 12 bytes per parameter, split 128 ways (norms and router biases aside)
-    assert summary["state_bytes_per_device"] == pytest.approx(12 * 671.03e9 / 128, rel=0.01)
+    # fp32 params + Adam: 12 bytes per parameter (the MTP block's included), split 128 ways (norms and router
+    # biases aside)
+    assert summary["state_bytes_per_device"] == pytest.approx(12 * 682.64e9 / 128, rel=0.01)
 
 
 # --------------------------------------------------------------------------------------------

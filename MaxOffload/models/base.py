@@ -7,6 +7,11 @@ from MaxOffload.errors import require
 class FromConfig:
     """Mixin for a family's frozen dataclass: built from the cfg.model section (config read at the edge)."""
 
+    # Multi-token prediction: a family that has it makes these dataclass fields (models/deepseek.py); its model
+    # then returns aux["mtp_logits"], which the train step weighs in (train/step.py).
+    mtp_depth = 0
+    mtp_loss_weight = 0.0
+
     @classmethod
     def from_config(cls, model_cfg):
         return cls(**{f.name: model_cfg[f.name] for f in dataclasses.fields(cls)})
@@ -28,6 +33,11 @@ class FromConfig:
         """{models/components part: x}: the multiple of its model FLOPs a part computes by construction under
         this configuration (the audit's expectation; 1 when absent), e.g. padding rows."""
         return {}
+
+    def params_stored_twice(self):
+        """Parameters this model shares that the family's released checkpoints store a second copy of (counted
+        in their published totals); 0 by default."""
+        return 0
 
     def matmul_params_per_token(self):
         """Weights each token multiplies by: the FLOP-bearing parameters (embedding lookup excluded)."""

@@ -6,7 +6,15 @@ Tagged names: the shared expert is a dense MLP every token passes through, so it
 like the dense layers' MLP; the moe_* names are the routed experts only, which is what a policy usually wants
 to treat differently (offloaded in the JAX-Toolbox recipe).
 
-The multi-token-prediction (MTP) module of the paper is not part of this model.
+Multi-token prediction (model.mtp_depth = D > 0; the paper's D = 1): depth k predicts the token k + 1
+positions ahead, h_k = block_k(eh_proj_k [enorm_k(Emb(t_{i+k})); hnorm_k(h_{k-1})]), logits_k =
+unembed(head_norm_k(h_k)), with the main model's embedding and output head shared and h_0 the main model's
+final (normalised) hidden state. The concatenation puts the embedding first, as the inference engines' DeepSeek
+MTP loaders do (vLLM, SGLang: `eh_proj(cat([enorm(embeds), hnorm(previous_hidden)]))`), where the paper writes
+the hidden state first; the recycled hidden state is the normalised one, as in those engines. The D blocks are
+the layer group "mtp" (global layers num_layers .. num_layers + D - 1: DeepSeek-V3's layer 61 in the Hugging
+Face layout), of the same kind as the main model's last layer (MLA + MoE for DeepSeek-V3). The train step adds
+mtp_loss_weight / D x the sum of the depths' cross-entropies (train/step.py); inference ignores the module.
 """
 import dataclasses
 import math
@@ -58,6 +66,10 @@ FIELDS = {
                              "* top_k / num_experts) tokens per sequence, later ones are dropped"),
     "moe_kernel": ("auto", "deepseek: the dropless grouped GEMM: auto (tokamax's Triton kernel on GPUs, XLA's "
                            "ragged_dot on CPU) | xla | tokamax (models/kernels.py)"),
+    "mtp_depth": (0, "deepseek: multi-token prediction depth D (0 = off; DeepSeek-V3 trained with 1): D more "
+                     "blocks, each predicting one token further ahead; the layer group \"mtp\""),
+    "mtp_loss_weight": (0.3, "deepseek: lambda of multi-token prediction: loss = main loss + lambda / D x the "
+                             "depths' cross-entropies (DeepSeek-V3: 0.3 early in training, 0.1 later)"),
     "moe_buffer_factor": (0.0, "deepseek, dropless: rows per device = factor x a balanced step's (0 = the worst "
                                "case, every choice on this device's experts); choices past it are dropped and "
                                "counted in moe/dropped_fraction"),
@@ -76,7 +88,8 @@ PRESETS = {
         n_groups=8, topk_groups=4, routed_scaling_factor=2.5, router_bias_update_rate=0.001,
         seq_balance_loss_weight=1e-4, capacity_factor=0.0, norm_eps=1e-6, rope_theta=10000.0,
         rope_scaling="yarn", rope_factor=40.0, rope_original_max_len=4096, rope_beta_fast=32.0,
-        rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0, tie_embeddings=False),
+        rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0, tie_embeddings=False, mtp_depth=1,
+        mtp_loss_weight=0.3),
     "tiny": dict(
         family="deepseek", vocab_size=512, emb_dim=64, num_layers=3, first_k_dense=1, mlp_dim=128, num_heads=4,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
@@ -117,6 +130,8 @@ class DeepSeekConfig(FromConfig):
     capacity_factor: float = 0.0
     moe_kernel: str = "auto"
     moe_buffer_factor: float = 0.0
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: str = "none"
@@ -137,9 +152,16 @@ class DeepSeekConfig(FromConfig):
     def num_moe_layers(self):
         return self.num_layers - self.first_k_dense
 
+    @property
+    def mtp_moe(self):
+        """Whether the MTP blocks are MoE blocks: they are of the kind of the main model's last layer."""
+        return self.num_moe_layers > 0
+
     def layer_groups(self):
-        """The dense and the MoE layers: two separately scanned stacks (an empty one is left out)."""
-        groups = {"dense": (0, self.first_k_dense), "moe": (self.first_k_dense, self.num_layers)}
+        """The dense and the MoE layers and the MTP blocks: separately scanned stacks (an empty one is left
+        out)."""
+        groups = {"dense": (0, self.first_k_dense), "moe": (self.first_k_dense, self.num_layers),
+                  "mtp": (self.num_layers, self.num_layers + self.mtp_depth)}
         return {name: (start, stop) for name, (start, stop) in groups.items() if stop > start}
 
     def validate(self):
@@ -151,7 +173,7 @@ class DeepSeekConfig(FromConfig):
         require(0 <= self.first_k_dense <= self.num_layers,
                 f"model.first_k_dense={self.first_k_dense} must be in [0, model.num_layers={self.num_layers}]")
         self.require_non_negative("num_shared_experts", "router_bias_update_rate", "seq_balance_loss_weight",
-                                  "capacity_factor", "moe_buffer_factor")
+                                  "capacity_factor", "moe_buffer_factor", "mtp_depth", "mtp_loss_weight")
         require_choice("model.moe_kernel", self.moe_kernel, kernels.GROUPED_GEMM)
         require(not (self.capacity_factor and self.moe_buffer_factor),
                 "model.moe_buffer_factor bounds dropless mode's rows; with model.capacity_factor set, the capacity "
@@ -174,20 +196,28 @@ class DeepSeekConfig(FromConfig):
     def matmul_params_by_component(self):
         """Weights each token multiplies by, per models/components part: MLA projections, the dense MLPs and
         the shared experts, per MoE layer the router and the top-k routed experts; the unembedding (the
-        embedding lookup excluded)."""
-        d, heads, rope = self.emb_dim, self.num_heads, self.qk_rope_head_dim
+        embedding lookup excluded). The MTP depths count like layers of the main model's last kind, plus
+        each one's eh_proj (a projection) and its pass through the shared output head: the work training does
+        (MFU's numerator includes MTP; inference, which ignores it, does less)."""
+        d, heads, rope, depth = self.emb_dim, self.num_heads, self.qk_rope_head_dim, self.mtp_depth
         qk = self.qk_nope_head_dim + rope
         mla = (d * self.q_lora_rank + self.q_lora_rank * heads * qk  # q down, q up
                + d * (self.kv_lora_rank + rope)  # kv down + the shared rope key
                + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # k_nope, v up
                + heads * self.v_head_dim * d)  # output
-        moe_layers = self.num_moe_layers
-        return {components.PROJECTIONS: self.num_layers * mla,
-                components.MLP: (self.first_k_dense * 3 * d * self.mlp_dim
+        moe_layers = self.num_moe_layers + (depth if self.mtp_moe else 0)
+        dense_layers = self.first_k_dense + (0 if self.mtp_moe else depth)
+        return {components.PROJECTIONS: (self.num_layers + depth) * mla + depth * 2 * d * d,
+                components.MLP: (dense_layers * 3 * d * self.mlp_dim
                                  + moe_layers * 3 * d * self.moe_mlp_dim * self.num_shared_experts),
                 components.ROUTER: moe_layers * d * self.num_experts,
                 components.EXPERTS: moe_layers * 3 * d * self.moe_mlp_dim * self.num_experts_per_tok,
-                components.UNEMBED: d * self.vocab_size}
+                components.UNEMBED: (1 + depth) * d * self.vocab_size}
+
+    def params_stored_twice(self):
+        """The released checkpoint's MTP layer stores its own copy of the embedding and of the output head
+        (embed_tokens, shared_head.head), which this model shares with the main model."""
+        return self.mtp_depth * (1 if self.tie_embeddings else 2) * self.vocab_size * self.emb_dim
 
     def compiled_work_multiples(self):
         """Capacity mode computes every expert's `capacity` rows, filled or not: ~capacity_factor x the
@@ -200,7 +230,8 @@ class DeepSeekConfig(FromConfig):
         """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul,
         e.g. the latents' norms mla_q / mla_kv, costed by the planner as memory traffic)."""
         d = self.emb_dim
-        mlp_out = self.mlp_dim if model_group == "dense" else self.moe_mlp_dim * max(self.num_shared_experts, 1)
+        dense = model_group == "dense" or (model_group == "mtp" and not self.mtp_moe)
+        mlp_out = self.mlp_dim if dense else self.moe_mlp_dim * max(self.num_shared_experts, 1)
         n = names
         return {n.DECODER_LAYER_INPUT: 0, n.QUERY_WA_PROJ: d, n.KV_WA_PROJ: d, n.MLA_Q: 0, n.MLA_KV: 0,
                 n.QUERY_PROJ: self.q_lora_rank, n.KEY_PROJ: self.kv_lora_rank, n.VALUE_PROJ: self.kv_lora_rank,
@@ -208,8 +239,9 @@ class DeepSeekConfig(FromConfig):
                 n.MLPWI_1: d, n.MLPWO: mlp_out, n.MOE_MLPWI_0: d, n.MOE_MLPWI_1: d, n.MOE_MLPWO: self.moe_mlp_dim}
 
     def attention_dims(self):
-        """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs; qk_dim = nope + rope."""
-        return self.num_layers, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        """(layers, heads, qk_dim, v_dim) for the attention-score FLOPs; qk_dim = nope + rope; the MTP blocks
+        count as layers."""
+        return self.num_layers + self.mtp_depth, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,10 +348,37 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class MTPLayer(nnx.Module):
+    """One multi-token-prediction depth: the next token's embedding and the previous depth's hidden state,
+    each normalised, concatenated (embedding first) and projected back to emb_dim (eh_proj), then one decoder
+    block and its own norm before the shared output head (Hugging Face: enorm, hnorm, eh_proj, the block,
+    shared_head.norm). Returns (the normalised hidden state, {"hidden": the same, MoE statistics})."""
+
+    def __init__(self, c: DeepSeekConfig, *, rngs, experts=None):
+        pdt = jnp.dtype(c.param_dtype)
+        self.compute_dtype = jnp.dtype(c.compute_dtype)
+        self.enorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
+        self.hnorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
+        # [embedding; hidden] -> emb_dim (a mesh axis shards only the first of the two "embed" axes)
+        self.eh_proj = param(rngs, (2 * c.emb_dim, c.emb_dim), ("embed", "embed"), pdt, c.init_std)
+        self.block = DecoderLayer(c, moe=c.mtp_moe, rngs=rngs, experts=experts)
+        self.head_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
+
+    def __call__(self, h, positions, next_embeds):
+        with jax.named_scope(components.PROJECTIONS):
+            joined = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h)], axis=-1)
+            x = constrain(joined @ self.eh_proj[...].astype(self.compute_dtype), BATCH_LENGTH_EMBED)
+        out = self.block(x, positions)
+        x, stats = out if isinstance(out, tuple) else (out, {})
+        normed = self.head_norm(x)
+        return normed, {"hidden": normed, **stats}
+
+
 class DeepSeek(DecoderModel):
     def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, experts=None):
         """experts: the parallel/expert.ExpertLayout of the MoE layers' exchange (None: every expert local)."""
         self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())
+        self.mtp_segments = remat_segments.get("mtp", ())
         self.init_embeddings(c, params_on_host, rngs)
         if c.first_k_dense:
             self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r), c.first_k_dense, rngs)
@@ -327,46 +386,71 @@ class DeepSeek(DecoderModel):
             self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r, experts=experts),
                                              c.num_moe_layers, rngs)
         self.init_head(c, rngs)
+        if c.mtp_depth:  # created last: the main model's parameters are the same with and without MTP
+            self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, experts=experts), c.mtp_depth, rngs)
 
     def __call__(self, tokens):
         """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux).
 
-        aux: "aux_loss" (weighted sequence-wise balance loss), "metrics" (expert-load statistics) and
-        "model_state" (the router biases after this step's auxiliary-loss-free update)."""
+        aux: "aux_loss" (weighted sequence-wise balance loss), "metrics" (expert-load statistics),
+        "model_state" (the router biases after this step's auxiliary-loss-free update) and, with MTP,
+        "mtp_logits" [depth, batch, length, vocab]: depth k's logits at position i predict the token k + 1
+        positions after tokens[i] (positions past the sequence's end are the train step's to mask)."""
         c, host = self.config, self.params_on_host
         x, positions, embed = self.embed_tokens(tokens)
         if c.first_k_dense:
             x = run_layers(self.dense_layers, x, positions, self.dense_segments, c.scan_layers, host)
-        aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
+        stats = []  # (router biases, statistics [layers, ...], global layer indices) per MoE stack
         if c.num_moe_layers:
-            x, stats = run_layers(self.moe_layers, x, positions, self.moe_segments, c.scan_layers, host,
-                                  with_outputs=True)
-            aux = self._moe_aux(stats)
-        return self.logits(x, embed), aux
+            x, moe_stats = run_layers(self.moe_layers, x, positions, self.moe_segments, c.scan_layers, host,
+                                      with_outputs=True)
+            stats.append((self.moe_layers.mlp.router_bias, moe_stats, range(c.first_k_dense, c.num_layers)))
+        normed = self.final_normed(x)
+        aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
+        if c.mtp_depth:
+            ahead = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, c.mtp_depth + 1)])
+            next_embeds = constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype), (None, *BATCH_LENGTH_EMBED))
+            _, mtp = run_layers(self.mtp_layers, normed, positions, self.mtp_segments, c.scan_layers, host,
+                                with_outputs=True, per_layer=next_embeds)
+            aux["mtp_logits"] = self.unembed_normed(mtp.pop("hidden"), embed)
+            if c.mtp_moe:
+                stats.append((self.mtp_layers.block.mlp.router_bias, mtp,
+                              range(c.num_layers, c.num_layers + c.mtp_depth)))
+        if stats:
+            aux.update(self._moe_aux(stats))
+        return self.unembed_normed(normed, embed), aux
 
-    def _moe_aux(self, stats):
-        """Balance loss, the biases' update and expert-load metrics from the MoE layers' statistics
-        (each [moe layers, ...]). max_load = busiest expert's choices / mean choices per expert."""
+    def _moe_aux(self, stacks):
+        """Balance loss, the biases' update and expert-load metrics from the MoE stacks' statistics (each
+        [layers of the stack, ...]; the main MoE layers, then the MTP blocks). max_load = busiest expert's
+        choices / mean choices per expert."""
         c = self.config
-        load = stats["load"]
-        bias = jax.lax.stop_gradient(updated_bias(self.moe_layers.mlp.router_bias[...], load,
-                                                  c.router_bias_update_rate))
+        biases = [jax.lax.stop_gradient(updated_bias(bias[...], s["load"], c.router_bias_update_rate))
+                  for bias, s, _ in stacks]
+        joined = lambda key: jnp.concatenate([s[key] for _, s, _ in stacks])  # noqa: E731
+        load, dropped_choices, bias = joined("load"), joined("dropped"), jnp.concatenate(biases)
+        layers = [layer for _, _, indices in stacks for layer in indices]
         max_load = load.max(-1) / load.mean(-1)
         bias_range = bias.max(-1) - bias.min(-1)
-        dropped = stats["dropped"] / load.sum(-1)
+        dropped = dropped_choices / load.sum(-1)
         metrics = {"moe/max_load": max_load.max(), "moe/mean_max_load": max_load.mean(),
                    "moe/mean_bias_range": bias_range.mean()}
         if c.capacity_factor or c.moe_buffer_factor:
-            metrics["moe/dropped_fraction"] = stats["dropped"].sum() / load.sum()
+            metrics["moe/dropped_fraction"] = dropped_choices.sum() / load.sum()
         if c.seq_balance_loss_weight:
-            metrics["moe/balance_loss"] = stats["balance"].mean()
-        if c.num_moe_layers <= PER_LAYER_METRICS_UP_TO:
-            for i, layer in enumerate(range(c.first_k_dense, c.num_layers)):
+            metrics["moe/balance_loss"] = joined("balance").mean()
+        if len(layers) <= PER_LAYER_METRICS_UP_TO:
+            for i, layer in enumerate(layers):
                 metrics[f"moe/max_load_layer{layer}"] = max_load[i]
                 metrics[f"moe/bias_range_layer{layer}"] = bias_range[i]
                 if c.capacity_factor or c.moe_buffer_factor:
                     metrics[f"moe/dropped_fraction_layer{layer}"] = dropped[i]
         # the same structure as the model's non-Param variables (TrainSetup's model_state)
-        model_state = jax.tree.map(lambda _: bias, nnx.to_pure_dict(nnx.state(self, RouterBias)))
-        return {"aux_loss": c.seq_balance_loss_weight * stats["balance"].sum(), "metrics": metrics,
+        model_state = nnx.to_pure_dict(nnx.state(self, RouterBias))
+        new = iter(biases)
+        if c.num_moe_layers:
+            model_state["moe_layers"]["mlp"]["router_bias"] = next(new)
+        if c.mtp_depth and c.mtp_moe:
+            model_state["mtp_layers"]["block"]["mlp"]["router_bias"] = next(new)
+        return {"aux_loss": c.seq_balance_loss_weight * joined("balance").sum(), "metrics": metrics,
                 "model_state": model_state}

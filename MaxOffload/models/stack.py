@@ -21,7 +21,7 @@ def stacked_layers(make_layer, num_layers, rngs):
     return create(rngs)
 
 
-def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_outputs=False):
+def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_outputs=False, per_layer=None):
     """Applies stacked `layers` to x, segment by segment.
 
     segments: ((start, stop, policy, label), ...) covering the layers in order; each segment
@@ -32,18 +32,23 @@ def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_
     only the current layer's weights need HBM.
 
     A layer returns h, or (h, outputs) with per-layer outputs (e.g. MoE expert loads);
-    with_outputs=True returns (x, outputs stacked over all layers on a leading axis).
+    with_outputs=True returns (x, outputs stacked over all layers on a leading axis). per_layer: an array
+    with one entry per layer on its leading axis, passed to each layer as a third argument (the MTP depths'
+    next-token embeddings).
     """
     graphdef, stacked = nnx.split(layers)
 
-    def body(h, layer_state):
-        out = nnx.merge(graphdef, to_device(layer_state, params_on_host))(h, positions)
+    def body(h, xs):
+        layer_state, extra = xs
+        layer = nnx.merge(graphdef, to_device(layer_state, params_on_host))
+        out = layer(h, positions) if per_layer is None else layer(h, positions, extra)
         return out if isinstance(out, tuple) else (out, None)
 
     outputs = []
     for start, stop, policy, label in segments:
-        segment_state = stacked if (start, stop) == (0, _depth(stacked)) else \
-            jax.tree.map(lambda p: p[start:stop], stacked)
+        whole = (start, stop) == (0, _depth(stacked))
+        segment_state = (stacked, per_layer) if whole else \
+            jax.tree.map(lambda p: p[start:stop], (stacked, per_layer))
         step = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
         with jax.named_scope(label):
             if scan:
@@ -101,15 +106,23 @@ class DecoderModel(nnx.Module):
         embed = to_device(self.embed[...], self.params_on_host)
         return constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
 
-    @components.scoped(components.UNEMBED)
     def logits(self, x, embed):
         """The final norm and the unembedding: logits [batch, length, vocab] float32."""
+        return self.unembed_normed(self.final_normed(x), embed)
+
+    def final_normed(self, x):
+        return on_device(self.final_norm, self.params_on_host)(x)
+
+    @components.scoped(components.UNEMBED)
+    def unembed_normed(self, x, embed):
+        """Normalised hidden states [..., length, emb] -> logits [..., length, vocab] float32 (the output head,
+        which multi-token prediction shares)."""
         c, host = self.config, self.params_on_host
-        x = on_device(self.final_norm, host)(x)
         unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        logits = jnp.einsum("ble,ev->blv", x, unembed.astype(jnp.dtype(c.compute_dtype)),
+        logits = jnp.einsum("...le,ev->...lv", x, unembed.astype(jnp.dtype(c.compute_dtype)),
                             preferred_element_type=jnp.float32)
-        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+        batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
+        return constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
 
 
 class SingleStackDecoder(DecoderModel):

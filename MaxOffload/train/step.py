@@ -27,6 +27,19 @@ def masked_cross_entropy(logits, targets, mask):
     return jnp.sum(losses * mask), jnp.sum(mask)
 
 
+def mtp_cross_entropy(mtp_logits, targets, mask):
+    """Multi-token prediction's loss: the mean over depths k = 1..D of depth k's mean cross-entropy, where its
+    logits at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions have no
+    such target and are masked."""
+    length = targets.shape[1]
+    losses = []
+    for k, logits in enumerate(mtp_logits, start=1):
+        within = jnp.arange(length) < length - k
+        total, count = masked_cross_entropy(logits, jnp.roll(targets, -k, axis=1), jnp.roll(mask, -k, axis=1) * within)
+        losses.append(total / jnp.maximum(count, 1.0))
+    return sum(losses) / len(losses)
+
+
 def check_divisible(abstract_params, shardings, mesh):
     """ConfigError naming the first parameter dimension that its mesh axes do not divide."""
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_params))[0]
@@ -110,10 +123,17 @@ class TrainSetup:
         return out if isinstance(out, tuple) else (out, {})
 
     def loss(self, params, model_state, batch):
-        """(objective, aux): mean next-token cross-entropy (+ the model's aux_loss)."""
+        """(objective, aux): mean next-token cross-entropy (+ the model's aux_loss, + mtp_loss_weight x the
+        multi-token-prediction loss, which aux["metrics"]["mtp_loss"] then reports)."""
         logits, aux = self.forward(params, model_state, batch["inputs"])
         total, count = masked_cross_entropy(logits, batch["targets"], batch["mask"])
-        return total / jnp.maximum(count, 1.0) + aux.get("aux_loss", 0.0), aux
+        objective = total / jnp.maximum(count, 1.0) + aux.get("aux_loss", 0.0)
+        if "mtp_logits" in aux:
+            aux = dict(aux)
+            mtp = mtp_cross_entropy(aux.pop("mtp_logits"), batch["targets"], batch["mask"])
+            objective = objective + self.model_config.mtp_loss_weight * mtp
+            aux["metrics"] = {**aux.get("metrics", {}), "mtp_loss": mtp}
+        return objective, aux
 
     def train_step(self, state, batch):
         (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state["params"], state["model_state"], batch)

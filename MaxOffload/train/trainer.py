@@ -138,7 +138,11 @@ def describe_setup(cfg, setup):
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
                "devices": len(devices), "device_kind": devices[0].device_kind, "global_batch": global_batch,
                "model_flops_per_step": train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)}
-    _say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters; params + optimizer state "
+    copies = setup.model_config.params_stored_twice()
+    if copies:  # what the released checkpoint counts, e.g. DeepSeek-V3's 685B
+        summary["params_as_released"] = summary["params_total"] + copies
+    released = f" ({_count(summary['params_as_released'])} as released)" if copies else ""
+    _say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters{released}; params + optimizer state "
          f"{_human(summary['state_bytes_per_device'], 'B')} per device "
          f"({_human(summary['state_host_bytes_per_device'], 'B')} of it in pinned host memory) on "
          f"{len(devices)} x {devices[0].device_kind} (mesh {mesh_describe(setup.mesh)}); "
