@@ -10,7 +10,7 @@ first 3) get the same settings without the routed-expert names, which they do no
 batch is sharded over data x fsdp x expert = all 128 devices; the 256 routed experts are split 8 ways
 (32 per device) over `expert` and their `embed` dimension 16 ways over `fsdp`; every other weight is
 split 128 ways over fsdp x expert (the expert axis is data parallel outside the routed experts), so
-parameters + Adam state are 12 B x 671B / 128 = 63 GB per GPU. For 128 GPUs in two NVLink domains keep
+parameters + Adam state are 12 B x 682.6B (with the MTP block) / 128 = 64 GB per GPU. For 128 GPUs in two NVLink domains keep
 the expert exchange inside a domain: mesh.dcn.fsdp=2 mesh.ici.fsdp=8. On a CPU machine:
 XLA_FLAGS=--xla_force_host_platform_device_count=128 python train.py configs/deepseek_v3_offload.py run.dry_run=true
 """
@@ -37,8 +37,8 @@ def get_config(size="671b"):
     add_layer_group(cfg, "moe", layers=f"{cfg.model.first_k_dense}-", moe_mlpwi_0="offload", moe_mlpwi_1="offload",
                     moe_mlpwo="device")
     if size == "671b":
-        # Fit on 128 GB200s (python -m MaxOffload.aot ... --topology 2x16x4: 119.0 GiB HBM of 165.9 usable,
-        # 60.3 GiB host, 1.34x the model FLOPs compiled). Dropless, through tokamax's grouped GEMM on GPUs
+        # Fit on 128 GB200s (python -m MaxOffload.aot ... --topology 2x16x4, with the MTP block and the flash
+        # attention: 123.5 GiB HBM of 165.9 usable, 60.3 GiB host, 1.24x the model FLOPs compiled). Dropless, through tokamax's grouped GEMM on GPUs
         # (model.moe_kernel=auto). The all-gather dispatch would size its rows buffer for the worst case (8x a
         # balanced step at EP8: 130.1 GiB HBM, but 329.4 GiB of offloaded expert activations per GPU, more
         # than the host has); a buffer of 1.25x the balanced rows of each device bounds it. Only the choices
