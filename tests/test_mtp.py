@@ -52,8 +52,10 @@ def test_logits_and_loss_match_a_reference_from_the_definition(monkeypatch):
     unembed(head_norm_k(h_k)), h_0 = the main model's normalised final hidden state; loss = main + lambda / D x
     sum_k CE_k, where depth k at position i predicts seq[i + k + 1] and only where that target exists and is
     not masked. The blocks are the model's own DecoderLayer (tested against references in test_deepseek.py):
-    what is checked here is the wiring around them."""
-    cfg = config("model.mtp_depth=2", "model.mtp_loss_weight=0.25", "model.seq_balance_loss_weight=0")
+    what is checked here is the wiring around them. The layers run unscanned here (a Python loop over the
+    same stacked parameters); the other tests scan them."""
+    cfg = config("model.mtp_depth=2", "model.mtp_loss_weight=0.25", "model.seq_balance_loss_weight=0",
+                 "model.scan_layers=false")
     setup = resolve.train_setup(cfg)
     state = jax.jit(setup._init)()
     data, seq, mask = batch()
@@ -61,24 +63,25 @@ def test_logits_and_loss_match_a_reference_from_the_definition(monkeypatch):
     unembed = models.stack.DecoderModel.unembed_normed
     monkeypatch.setattr(models.stack.DecoderModel, "unembed_normed",
                         lambda self, x, embed: (seen.append(x), unembed(self, x, embed))[1])
-    logits, aux = setup.forward(state["params"], state["model_state"], data["inputs"])
+    logits, aux, h = jax.jit(lambda *a: (*setup.forward(*a), seen[-1]))(state["params"], state["model_state"],
+                                                                       data["inputs"])
     assert aux["mtp_logits"].shape == (2, 2, LENGTH, 512) and logits.shape == (2, LENGTH, 512)
-    h = np.asarray(seen[-1])
+    h = np.asarray(h)
     params = state["params"]
     embed, head = np.asarray(params["embed"]), np.asarray(params["unembed"])
     mtp = params["mtp_layers"]
     model = nnx.merge(setup.graphdef, params, state["model_state"])
     block_graph, block_state = nnx.split(model.mtp_layers.block)
-    cfg_c = setup.model_config
-    ref_ce, positions = [], jnp.broadcast_to(jnp.arange(LENGTH), (2, LENGTH))
+    positions = jnp.broadcast_to(jnp.arange(LENGTH), (2, LENGTH))
+    run_block = jax.jit(lambda k, x: nnx.merge(block_graph, jax.tree.map(lambda p: p[k], block_state))(x, positions))
+    ref_ce = []
     for k in range(1, 3):
         layer = jax.tree.map(lambda p: np.asarray(p[k - 1]), mtp)
-        nxt = np.zeros((2, LENGTH, cfg_c.emb_dim), np.float32)
+        nxt = np.zeros((2, LENGTH, setup.model_config.emb_dim), np.float32)
         nxt[:, :LENGTH - k] = embed[seq[:, k:LENGTH]]  # Emb(t_{i+k}), t = the inputs; the end: no such token
         nxt[:, LENGTH - k:] = embed[seq[:, :k]]  # what the model puts there (the inputs rolled); masked below
         joined = np.concatenate([rms(nxt, layer["enorm"]["scale"]), rms(h, layer["hnorm"]["scale"])], -1)
-        block = nnx.merge(block_graph, jax.tree.map(lambda p: p[k - 1], block_state))
-        out = block(jnp.asarray(joined @ layer["eh_proj"]), positions)
+        out = run_block(k - 1, jnp.asarray(joined @ layer["eh_proj"]))
         h = rms(np.asarray(out[0] if isinstance(out, tuple) else out), layer["head_norm"]["scale"])
         ref_logits = h @ head
         np.testing.assert_allclose(np.asarray(aux["mtp_logits"][k - 1]), ref_logits, rtol=2e-4, atol=2e-4)
@@ -93,43 +96,61 @@ def test_logits_and_loss_match_a_reference_from_the_definition(monkeypatch):
     assert count == 2 * (LENGTH - 2) - 1  # the masked target dropped one position of depth 2
     main_logp = log_softmax(np.asarray(logits, np.float64))
     main = -sum(main_logp[b, i, seq[b, i + 1]] * mask[b, i] for b in range(2) for i in range(LENGTH)) / mask.sum()
-    objective, aux = setup.loss(state["params"], state["model_state"], data)
+    objective, aux = jax.jit(setup.loss)(state["params"], state["model_state"], data)
     assert float(aux["metrics"]["mtp_loss"]) == pytest.approx(np.mean(ref_ce), rel=1e-5)
     assert float(objective) == pytest.approx(main + 0.25 * np.mean(ref_ce), rel=1e-5)
     assert "mtp_logits" not in aux  # the loss consumed them
 
 
-def _loss_and_grads(cfg, data):
-    setup = resolve.train_setup(cfg)
-    state = jax.jit(setup._init)()
-    (loss, aux), grads = jax.jit(jax.value_and_grad(setup.loss, has_aux=True))(state["params"],
-                                                                               state["model_state"], data)
-    return state, loss, aux, grads
+class Gradients:
+    """One compiled value-and-gradient of a config's objective + weight x its MTP loss (the weight an argument:
+    one compile serves every weight; the config's own mtp_loss_weight is tested above)."""
+
+    def __init__(self, *overrides):
+        self.setup = resolve.train_setup(config(*overrides))
+        self.state = jax.jit(self.setup._init)()
+        self.data = batch()[0]
+        self.step = jax.jit(jax.value_and_grad(self._objective, has_aux=True))
+
+    def _objective(self, params, weight):
+        value, aux = self.setup.loss(params, self.state["model_state"], self.data)
+        mtp = aux["metrics"].get("mtp_loss", jnp.zeros(()))
+        return value + weight * mtp, mtp
+
+    def __call__(self, weight):
+        """(objective, MTP loss, gradients of the parameters)."""
+        (value, mtp), grads = self.step(self.state["params"], weight)
+        return value, mtp, grads
 
 
-def test_depth_zero_is_the_model_without_mtp_and_mtp_only_adds_to_it():
+@pytest.fixture(scope="module")
+def gradients():
+    """Depth 0 and depth 1, both with mtp_loss_weight = 0 and no balance loss (which the MTP block's router
+    would add to)."""
+    return {depth: Gradients("model.seq_balance_loss_weight=0", f"model.mtp_depth={depth}", "model.mtp_loss_weight=0")
+            for depth in (0, 1)}
+
+
+def test_depth_zero_is_the_model_without_mtp_and_mtp_only_adds_to_it(gradients):
     """The MTP parameters are created after the main model's: with and without MTP the main model starts from
-    the same weights (bit for bit). With lambda = 0 (and no balance loss, which the MTP block's router would add
-    to) the objective and every main-model gradient are depth 0's; depth 0 has no MTP parameters or output."""
-    data = batch()[0]
-    off = ["model.seq_balance_loss_weight=0"]
-    state0, loss0, aux0, grads0 = _loss_and_grads(config(*off), data)
-    state1, loss1, aux1, grads1 = _loss_and_grads(config(*off, "model.mtp_depth=1", "model.mtp_loss_weight=0"), data)
-    assert "mtp_layers" not in state0["params"] and "mtp_loss" not in aux0["metrics"]
-    main = {k: v for k, v in state1["params"].items() if k != "mtp_layers"}
-    jax.tree.map(np.testing.assert_array_equal, main, state0["params"])
+    the same weights (bit for bit). With lambda = 0 the objective and every main-model gradient are depth 0's;
+    depth 0 has no MTP parameters or output."""
+    loss0, mtp0, grads0 = gradients[0](0.0)
+    loss1, mtp1, grads1 = gradients[1](0.0)
+    assert "mtp_layers" not in gradients[0].state["params"] and float(mtp0) == 0
+    main = {k: v for k, v in gradients[1].state["params"].items() if k != "mtp_layers"}
+    jax.tree.map(np.testing.assert_array_equal, main, gradients[0].state["params"])
     # equal up to float32 rounding: XLA fuses the two programs differently
-    assert float(loss1) == pytest.approx(float(loss0), rel=1e-6) and float(aux1["metrics"]["mtp_loss"]) > 0
+    assert float(loss1) == pytest.approx(float(loss0), rel=1e-6) and float(mtp1) > 0
     same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)  # noqa: E731
     jax.tree.map(same, {k: v for k, v in grads1.items() if k != "mtp_layers"}, grads0)
     assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads1["mtp_layers"]))  # lambda 0: no signal
 
 
-def test_gradients_reach_the_mtp_block_and_the_shared_embedding_and_head():
-    data = batch()[0]
-    _, loss0, _, grads0 = _loss_and_grads(config("model.mtp_loss_weight=0", "model.mtp_depth=1"), data)
-    _, loss1, aux, grads1 = _loss_and_grads(config("model.mtp_loss_weight=0.3", "model.mtp_depth=1"), data)
-    assert float(loss1) == pytest.approx(float(loss0) + 0.3 * float(aux["metrics"]["mtp_loss"]), rel=1e-6)
+def test_gradients_reach_the_mtp_block_and_the_shared_embedding_and_head(gradients):
+    loss0, mtp, grads0 = gradients[1](0.0)
+    loss1, _, grads1 = gradients[1](0.3)
+    assert float(loss1) == pytest.approx(float(loss0) + 0.3 * float(mtp), rel=1e-6)
     mtp = grads1["mtp_layers"]
     for path in (("eh_proj",), ("enorm", "scale"), ("hnorm", "scale"), ("head_norm", "scale"),
                  ("block", "attention", "wq_a"), ("block", "mlp", "router"), ("block", "mlp", "wi_0")):

@@ -54,11 +54,11 @@ def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_
             if scan:
                 x, ys = jax.lax.scan(step, x, segment_state)
             else:
-                per_layer = []
+                layer_outputs = []
                 for i in range(stop - start):
                     x, y = step(x, jax.tree.map(lambda p: p[i], segment_state))
-                    per_layer.append(y)
-                ys = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+                    layer_outputs.append(y)
+                ys = jax.tree.map(lambda *a: jnp.stack(a), *layer_outputs)
         outputs.append(ys)
     if not with_outputs:
         return x
