@@ -47,19 +47,28 @@ def uninterrupted(tmp_path_factory):
     return losses(out)
 
 
-@pytest.mark.parametrize("offloaded", [False, True], ids=["device_state", "host_offloaded_state"])
-def test_sigterm_saves_and_resume_is_bit_identical(tmp_path, uninterrupted, offloaded):
-    extra = ["offload.params=true", "offload.optimizer_state=true"] if offloaded else []
-    args = [*TINY, *extra, "train.steps=40", f"run.output_dir={tmp_path}", "checkpoint.every_steps=10"]
+def sigterm_and_resume(args, out, step):
+    """Starts train.py ARGS (run.output_dir=out), sends SIGTERM once it reports `step`, checks that it exited 42
+    with a checkpoint of the step it names, then runs the same command again: (that step, the resumed run's
+    CompletedProcess, which succeeded)."""
     proc, lines = start(args), []
-    wait_for_step(proc, 15, lines)
+    wait_for_step(proc, step, lines)
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=300)
     assert proc.returncode == 42, "".join(lines) + rest
     saved = int(rest.split("saved step ")[1].split(";")[0])
-    assert 15 <= saved < 40 and str(saved) in os.listdir(tmp_path / "checkpoints")
+    assert str(saved) in os.listdir(out / "checkpoints")
     result = run_cli(["train.py", *args])
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
+    return saved, result
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["device_state", "host_offloaded_state"])
+def test_sigterm_saves_and_resume_is_bit_identical(tmp_path, uninterrupted, offloaded):
+    extra = ["offload.params=true", "offload.optimizer_state=true"] if offloaded else []
+    args = [*TINY, *extra, "train.steps=40", f"run.output_dir={tmp_path}", "checkpoint.every_steps=10"]
+    saved, result = sigterm_and_resume(args, tmp_path, 15)
+    assert 15 <= saved < 40
     assert f"resumed from {tmp_path / 'checkpoints'}/{saved} (step {saved})" in result.stdout
     assert f"training steps {saved + 1}-40" in result.stdout
     assert losses(tmp_path) == uninterrupted  # bit-identical, every step exactly once

@@ -4,7 +4,6 @@ policy of its own, training with it and an exact resume."""
 import json
 import math
 import os
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ import pytest
 from flax import nnx
 
 from conftest import run_cli
-from test_checkpoint import losses, start, wait_for_step
+from test_checkpoint import losses, sigterm_and_resume
 from MaxOffload import models, resolve
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek
@@ -63,8 +62,11 @@ def test_logits_and_loss_match_a_reference_from_the_definition(monkeypatch):
     unembed = models.stack.DecoderModel.unembed_normed
     monkeypatch.setattr(models.stack.DecoderModel, "unembed_normed",
                         lambda self, x, embed: (seen.append(x), unembed(self, x, embed))[1])
-    logits, aux, h = jax.jit(lambda *a: (*setup.forward(*a), seen[-1]))(state["params"], state["model_state"],
-                                                                       data["inputs"])
+    def forward_and_loss(params, model_state):  # one compile for both
+        logits, aux = setup.forward(params, model_state, data["inputs"])
+        return logits, aux, seen[-1], setup.loss(params, model_state, data)
+
+    logits, aux, h, (objective, loss_aux) = jax.jit(forward_and_loss)(state["params"], state["model_state"])
     assert aux["mtp_logits"].shape == (2, 2, LENGTH, 512) and logits.shape == (2, LENGTH, 512)
     h = np.asarray(h)
     params = state["params"]
@@ -96,10 +98,9 @@ def test_logits_and_loss_match_a_reference_from_the_definition(monkeypatch):
     assert count == 2 * (LENGTH - 2) - 1  # the masked target dropped one position of depth 2
     main_logp = log_softmax(np.asarray(logits, np.float64))
     main = -sum(main_logp[b, i, seq[b, i + 1]] * mask[b, i] for b in range(2) for i in range(LENGTH)) / mask.sum()
-    objective, aux = jax.jit(setup.loss)(state["params"], state["model_state"], data)
-    assert float(aux["metrics"]["mtp_loss"]) == pytest.approx(np.mean(ref_ce), rel=1e-5)
+    assert float(loss_aux["metrics"]["mtp_loss"]) == pytest.approx(np.mean(ref_ce), rel=1e-5)
     assert float(objective) == pytest.approx(main + 0.25 * np.mean(ref_ce), rel=1e-5)
-    assert "mtp_logits" not in aux  # the loss consumed them
+    assert "mtp_logits" not in loss_aux  # the loss consumed them
 
 
 class Gradients:
@@ -114,13 +115,12 @@ class Gradients:
 
     def _objective(self, params, weight):
         value, aux = self.setup.loss(params, self.state["model_state"], self.data)
-        mtp = aux["metrics"].get("mtp_loss", jnp.zeros(()))
-        return value + weight * mtp, mtp
+        return value + weight * aux["metrics"].get("mtp_loss", jnp.zeros(())), aux
 
     def __call__(self, weight):
-        """(objective, MTP loss, gradients of the parameters)."""
-        (value, mtp), grads = self.step(self.state["params"], weight)
-        return value, mtp, grads
+        """(objective, MTP loss, gradients of the parameters, the loss's aux)."""
+        (value, aux), grads = self.step(self.state["params"], weight)
+        return value, aux["metrics"].get("mtp_loss", jnp.zeros(())), grads, aux
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +135,8 @@ def test_depth_zero_is_the_model_without_mtp_and_mtp_only_adds_to_it(gradients):
     """The MTP parameters are created after the main model's: with and without MTP the main model starts from
     the same weights (bit for bit). With lambda = 0 the objective and every main-model gradient are depth 0's;
     depth 0 has no MTP parameters or output."""
-    loss0, mtp0, grads0 = gradients[0](0.0)
-    loss1, mtp1, grads1 = gradients[1](0.0)
+    loss0, mtp0, grads0, _ = gradients[0](0.0)
+    loss1, mtp1, grads1, _ = gradients[1](0.0)
     assert "mtp_layers" not in gradients[0].state["params"] and float(mtp0) == 0
     main = {k: v for k, v in gradients[1].state["params"].items() if k != "mtp_layers"}
     jax.tree.map(np.testing.assert_array_equal, main, gradients[0].state["params"])
@@ -148,8 +148,8 @@ def test_depth_zero_is_the_model_without_mtp_and_mtp_only_adds_to_it(gradients):
 
 
 def test_gradients_reach_the_mtp_block_and_the_shared_embedding_and_head(gradients):
-    loss0, mtp, grads0 = gradients[1](0.0)
-    loss1, _, grads1 = gradients[1](0.3)
+    loss0, mtp, grads0, _ = gradients[1](0.0)
+    loss1, _, grads1, _ = gradients[1](0.3)
     assert float(loss1) == pytest.approx(float(loss0) + 0.3 * float(mtp), rel=1e-6)
     mtp = grads1["mtp_layers"]
     for path in (("eh_proj",), ("enorm", "scale"), ("hnorm", "scale"), ("head_norm", "scale"),
@@ -164,7 +164,7 @@ def test_gradients_reach_the_mtp_block_and_the_shared_embedding_and_head(gradien
     assert float(jnp.abs(grads1["moe_layers"]["attention"]["wo"] - grads0["moe_layers"]["attention"]["wo"]).max()) > 0
 
 
-def test_the_mtp_block_is_a_layer_group_with_its_own_policy():
+def test_the_mtp_block_is_a_layer_group_with_its_own_policy(gradients):
     """remat.groups.m.layers=mtp: the MTP block (global layer 3 of the tiny model) offloads its routed experts'
     inputs while the main MoE layers keep the global policy; every name a main layer tags, the MTP block tags
     too; router biases and expert loads of the MTP block are model state and metrics like a layer's."""
@@ -182,8 +182,7 @@ def test_the_mtp_block_is_a_layer_group_with_its_own_policy():
     assert found["layers_1_2"]["moe_mlpwi_0"][0] == "remat" and found["layers_3_3"]["key_proj"][0] == "remat"
     assert jax.tree.map(lambda a: a.shape, setup.abstract_state["model_state"]) == {
         "moe_layers": {"mlp": {"router_bias": (2, 8)}}, "mtp_layers": {"block": {"mlp": {"router_bias": (1, 8)}}}}
-    state = jax.jit(setup._init)()
-    _, aux = jax.jit(setup.forward)(state["params"], state["model_state"], batch()[0]["inputs"])
+    aux = gradients[1](0.0)[3]  # the same model without the remat group
     assert {"moe/max_load_layer3", "moe/bias_range_layer3", "moe/max_load_layer1"} <= set(aux["metrics"])
     bias = np.asarray(aux["model_state"]["mtp_layers"]["block"]["mlp"]["router_bias"])
     assert set(np.round(bias.ravel() / cfg.model.router_bias_update_rate).tolist()) <= {-1.0, 0.0, 1.0}
@@ -239,6 +238,7 @@ def straight(tmp_path_factory):
     return out
 
 
+@pytest.mark.once  # the training loop's handling of MTP; its numerics run on both stacks above
 def test_tiny_deepseek_with_mtp_trains_and_logs_the_mtp_loss(straight):
     logged = rows(straight)
     assert [r["step"] for r in logged] == list(range(1, 41))
@@ -250,16 +250,9 @@ def test_tiny_deepseek_with_mtp_trains_and_logs_the_mtp_loss(straight):
     assert b"train/mtp_loss" in events and b"train/moe/max_load_layer3" in events
 
 
+@pytest.mark.once
 def test_resume_with_mtp_is_bit_identical(tmp_path, straight):
-    args = [*RUN, f"run.output_dir={tmp_path}", "checkpoint.every_steps=10"]
-    proc, lines = start(args), []
-    wait_for_step(proc, 12, lines)
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 42, "".join(lines) + rest
-    saved = int(rest.split("saved step ")[1].split(";")[0])
-    result = run_cli(["train.py", *args])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"(step {saved})" in result.stdout and saved < 40
+    saved, result = sigterm_and_resume([*RUN, f"run.output_dir={tmp_path}", "checkpoint.every_steps=10"], tmp_path, 12)
+    assert f"(step {saved})" in result.stdout and 12 <= saved < 40
     assert losses(tmp_path) == losses(straight)
     assert [r["mtp_loss"] for r in rows(tmp_path)] == [r["mtp_loss"] for r in rows(straight)]
