@@ -17,6 +17,7 @@ Face layout), of the same kind as the main model's last layer (MLA + MoE for Dee
 mtp_loss_weight / D x the sum of the depths' cross-entropies (train/step.py); inference ignores the module.
 """
 import dataclasses
+import functools
 import math
 
 import jax
@@ -400,11 +401,11 @@ class DeepSeek(DecoderModel):
         x, positions, embed = self.embed_tokens(tokens)
         if c.first_k_dense:
             x = run_layers(self.dense_layers, x, positions, self.dense_segments, c.scan_layers, host)
-        stats = []  # (router biases, statistics [layers, ...], global layer indices) per MoE stack
+        stats = []  # (the MoE module's path, statistics [layers, ...], global layer indices) per MoE stack
         if c.num_moe_layers:
             x, moe_stats = run_layers(self.moe_layers, x, positions, self.moe_segments, c.scan_layers, host,
                                       with_outputs=True)
-            stats.append((self.moe_layers.mlp.router_bias, moe_stats, range(c.first_k_dense, c.num_layers)))
+            stats.append((("moe_layers", "mlp"), moe_stats, range(c.first_k_dense, c.num_layers)))
         normed = self.final_normed(x)
         aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
         if c.mtp_depth:
@@ -414,7 +415,7 @@ class DeepSeek(DecoderModel):
                                 with_outputs=True, per_layer=next_embeds)
             aux["mtp_logits"] = self.unembed_normed(mtp.pop("hidden"), embed)
             if c.mtp_moe:
-                stats.append((self.mtp_layers.block.mlp.router_bias, mtp,
+                stats.append((("mtp_layers", "block", "mlp"), mtp,
                               range(c.num_layers, c.num_layers + c.mtp_depth)))
         if stats:
             aux.update(self._moe_aux(stats))
@@ -425,8 +426,14 @@ class DeepSeek(DecoderModel):
         [layers of the stack, ...]; the main MoE layers, then the MTP blocks). max_load = busiest expert's
         choices / mean choices per expert."""
         c = self.config
-        biases = [jax.lax.stop_gradient(updated_bias(bias[...], s["load"], c.router_bias_update_rate))
-                  for bias, s, _ in stacks]
+        # the same structure as the model's non-Param variables (TrainSetup's model_state), updated per stack
+        model_state = nnx.to_pure_dict(nnx.state(self, RouterBias))
+        biases = []
+        for path, s, _ in stacks:
+            module = functools.reduce(lambda tree, key: tree[key], path, model_state)
+            module["router_bias"] = jax.lax.stop_gradient(updated_bias(module["router_bias"], s["load"],
+                                                                       c.router_bias_update_rate))
+            biases.append(module["router_bias"])
         joined = lambda key: jnp.concatenate([s[key] for _, s, _ in stacks])  # noqa: E731
         load, dropped_choices, bias = joined("load"), joined("dropped"), jnp.concatenate(biases)
         layers = [layer for _, _, indices in stacks for layer in indices]
@@ -445,12 +452,5 @@ class DeepSeek(DecoderModel):
                 metrics[f"moe/bias_range_layer{layer}"] = bias_range[i]
                 if c.capacity_factor or c.moe_buffer_factor:
                     metrics[f"moe/dropped_fraction_layer{layer}"] = dropped[i]
-        # the same structure as the model's non-Param variables (TrainSetup's model_state)
-        model_state = nnx.to_pure_dict(nnx.state(self, RouterBias))
-        new = iter(biases)
-        if c.num_moe_layers:
-            model_state["moe_layers"]["mlp"]["router_bias"] = next(new)
-        if c.mtp_depth and c.mtp_moe:
-            model_state["mtp_layers"]["block"]["mlp"]["router_bias"] = next(new)
         return {"aux_loss": c.seq_balance_loss_weight * joined("balance").sum(), "metrics": metrics,
                 "model_state": model_state}
