@@ -6,14 +6,16 @@ A family is
     table (`contractions`, `matmul_params_per_token`, `attention_dims`);
   - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, experts=);
   - `fields`: its own cfg.model keys {key: (default, meaning)} (the keys every family shares are in
-    config/defaults.py), joined to the config schema by `register`.
+    config/defaults.py), joined to the config schema by `register`;
+  - `hf`: its weights in the Hugging Face layout (models/hf.HFFormat), which MaxOffload/convert reads and
+    writes.
 The names a family tags are read from its traced forward pass (`Family.tagged_names`), never kept by hand.
 Adding a family is one `register` call: nothing else under MaxOffload/ changes (tests/test_family.py).
 """
 import dataclasses
 import functools
 
-from MaxOffload.models import deepseek, llama
+from MaxOffload.models import deepseek, deepseek_hf, llama, llama_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +23,7 @@ class Family:
     config_class: type
     model_class: type
     fields: dict = dataclasses.field(default_factory=dict)
+    hf: object = None
 
     def layer_groups(self, config):
         """{name: (start, stop)}: the model's separately scanned stacks, global layer ranges."""
@@ -40,8 +43,8 @@ def register(name, family):
     FAMILIES[name] = family
 
 
-register("llama", Family(llama.LlamaConfig, llama.Llama, llama.FIELDS))
-register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.FIELDS))
+register("llama", Family(llama.LlamaConfig, llama.Llama, llama.FIELDS, llama_hf.LlamaHF()))
+register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.FIELDS, deepseek_hf.DeepSeekHF()))
 
 
 def model_config(cfg):
@@ -56,6 +59,39 @@ def layer_groups(cfg):
 def family_of(config):
     """The Family whose configuration class `config` (a model configuration) is."""
     return next(f for f in FAMILIES.values() if isinstance(config, f.config_class))
+
+
+def weights(model):
+    """{"params": the model's nnx.Params, "model_state": its other variables (e.g. router biases)}, as pure
+    dicts: what a train state holds of the model, and what a converted checkpoint holds."""
+    from flax import nnx
+
+    _, params, model_state = nnx.split(model, nnx.Param, ...)
+    return {"params": nnx.to_pure_dict(params), "model_state": nnx.to_pure_dict(model_state)}
+
+
+def abstract_model(config):
+    """The model of a model configuration, abstract (shapes and dtypes only: nothing is allocated)."""
+    from flax import nnx
+
+    from MaxOffload.offload import segments
+    from MaxOffload.offload.plan import OffloadPlan
+
+    plan = OffloadPlan(tuple(segments.uniform("full", config.layer_groups())))
+    return nnx.eval_shape(lambda: build(config, plan, nnx.Rngs(0)))
+
+
+def weight_leaves(config):
+    """{key path (tuple): ShapeDtypeStruct} of the model's weights (models.weights), empty collections left out."""
+    import jax
+
+    tree = weights(abstract_model(config))
+    return {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def by_architecture(architecture):
+    """The family whose Hugging Face layout reads config.json's `architecture`, or None."""
+    return next((f for f in FAMILIES.values() if f.hf and architecture in f.hf.architectures), None)
 
 
 def build(config, plan, rngs, experts=None):
@@ -73,11 +109,9 @@ def tagged_names(config):
     import jax.numpy as jnp
     from flax import nnx
 
-    from MaxOffload.offload import names, segments
-    from MaxOffload.offload.plan import OffloadPlan
+    from MaxOffload.offload import names
 
-    plan = OffloadPlan(tuple(segments.uniform("full", config.layer_groups())))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config, plan, nnx.Rngs(0))))
+    graphdef, state = nnx.split(abstract_model(config))
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
     return tuple(n for n in names.traced(jaxpr.jaxpr) if n in names.VOCABULARY)

@@ -37,9 +37,15 @@ def _restore_args(setup):
     return ocp.args.Composite(state=ocp.args.StandardRestore(_targets(setup)), meta=ocp.args.JsonRestore())
 
 
-def _params_restore_args(setup):
-    """The parameters alone: the rest of the saved state (another optimizer's, say) is not read."""
-    item = {"params": _targets(setup)["params"]}
+def _weights_item(tree):
+    """The model's weights in a train-state-shaped tree: its parameters and model state (router biases; left
+    out when the model has none)."""
+    return {key: tree[key] for key in ("params", "model_state") if jax.tree.leaves(tree[key])}
+
+
+def _weights_restore_args(setup):
+    """The weights alone: the rest of the saved state (another optimizer's, say) is not read."""
+    item = _weights_item(_targets(setup))
     return ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
 
@@ -230,7 +236,8 @@ class Checkpointer:
 
 
 def load_params(path, setup):
-    """Parameters from another run's checkpoint: a run directory, its checkpoints/ or one step directory."""
+    """({"params": ..., "model_state": ...}, step): the weights of another run's checkpoint, or of one
+    `python -m MaxOffload.convert from-hf` wrote: a run directory, its checkpoints/ or one step directory."""
     candidates = [path, os.path.join(path, "checkpoints")]
     for directory in candidates:
         if os.path.isdir(os.path.join(directory, "state")):  # a step directory
@@ -243,8 +250,8 @@ def load_params(path, setup):
         step = step if step is not None else manager.latest_step()
         step_dir = os.path.join(os.path.abspath(directory), str(step))
         try:
-            _verify(step_dir, integrity.structure({"params": setup.abstract_state["params"]}), partial=True)
-            restored = manager.restore(step, args=_params_restore_args(setup))
+            _verify(step_dir, integrity.structure(_weights_item(setup.abstract_state)), partial=True)
+            restored = manager.restore(step, args=_weights_restore_args(setup))
         except integrity.Mismatch as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: the parameters of step {step} are not this "
                               f"model's ({e}); it must come from a run of the same model") from None
@@ -255,6 +262,6 @@ def load_params(path, setup):
                               f"({type(e).__name__}); it must come from a run of the same model") from None
         finally:
             manager.close()  # its threads must not outlive the run (or the one-line error)
-        return restored.state["params"], step
+        return {"model_state": {}, **restored.state}, step
     raise ConfigError(f"checkpoint.load_params_from={path}: no checkpoint there; give a run directory, its "
                       "checkpoints/ directory or one step directory")

@@ -105,10 +105,9 @@ class TrainSetup:
         return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed), self.experts)
 
     def _init(self):
-        _, params, model_state = nnx.split(self._model(), nnx.Param, ...)
-        params = nnx.to_pure_dict(params)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
-                "model_state": nnx.to_pure_dict(model_state)}
+        weights = models.weights(self._model())
+        return {"step": jnp.zeros((), jnp.int32), "params": weights["params"],
+                "opt_state": self.tx.init(weights["params"]), "model_state": weights["model_state"]}
 
     def init_state(self):
         """Freshly initialised state, created directly in its sharding (never whole on one device)."""

@@ -204,8 +204,8 @@ class Training:
                 return state, int(meta["step"])
         state = self.setup.init_state()
         if self.cfg.checkpoint.load_params_from:
-            params, step = load_params(self.cfg.checkpoint.load_params_from, self.setup)
-            state = {**state, "params": params}
+            weights, step = load_params(self.cfg.checkpoint.load_params_from, self.setup)
+            state = {**state, **weights}
             _say(f"parameters loaded from {self.cfg.checkpoint.load_params_from} (step {step})")
         return state, 0
 

@@ -1,0 +1,90 @@
+"""This project's checkpoint -> a Hugging Face checkpoint (`python -m MaxOffload.convert to-hf`).
+
+The source is a run directory (its newest checkpoint), one of its step directories, or a from-hf output; the
+model comes from the run's config.json. Each layer's arrays are read (convert/orbax_files.WeightsReader), turned
+into the Hugging Face tensors by the family's Rules in reverse, cast (bfloat16 by default) and appended to the
+safetensors shards: one layer in memory at a time.
+"""
+import json
+import os
+import time
+
+import ml_dtypes
+import numpy as np
+
+from MaxOffload import models
+from MaxOffload.convert.hf_files import CONFIG, ShardWriter
+from MaxOffload.convert.orbax_files import WeightsReader, nested
+from MaxOffload.errors import ConfigError
+from MaxOffload.reports import gib
+
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
+
+
+def locate(source):
+    """(run directory, step directory) of a run directory, its checkpoints/ or one step directory."""
+    source = os.path.abspath(source.rstrip("/"))
+    if os.path.isdir(os.path.join(source, "state")):
+        return os.path.dirname(os.path.dirname(source)), source
+    directory = source if os.path.basename(source) == "checkpoints" else os.path.join(source, "checkpoints")
+    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+    if not steps:
+        raise ConfigError(f"{source}: no checkpoint there; give a run directory, its checkpoints/ or one step "
+                          "directory")
+    return os.path.dirname(directory), os.path.join(directory, str(steps[-1]))
+
+
+def model_config(run_dir):
+    """The model configuration of the run whose config.json is in run_dir."""
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            model = json.load(f)["model"]
+        family = models.FAMILIES[model["family"]]
+        return family, family.config_class.from_config(model)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: cannot read the run's model configuration ({type(e).__name__}: {e}); to-hf "
+                          "needs the config.json train.py or from-hf wrote beside checkpoints/") from None
+
+
+def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
+    from MaxOffload.convert.importer import peak_rss
+    from MaxOffload.train import integrity
+
+    started = time.time()
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ConfigError(f"--out {out} is not empty; nothing was changed: give a new directory")
+    run_dir, step_dir = locate(source)
+    family, c = model_config(run_dir)
+    groups = family.hf.groups(c)
+    # the saved structure must be this model's, and its files whole, before a byte is converted
+    try:
+        unverified = integrity.verify(step_dir, integrity.structure(nested(models.weight_leaves(c))), 0, 1,
+                                      partial=True)
+    except integrity.Damaged as e:
+        raise ConfigError(f"checkpoint {step_dir} is damaged ({e}); export another step") from None
+    except integrity.Mismatch as e:
+        raise ConfigError(f"checkpoint {step_dir} does not hold the model its run's config.json describes ({e})") from None
+    if unverified:
+        say(f"warning: checkpoint {step_dir} is exported unverified: {unverified}")
+    reader, target = WeightsReader(step_dir), DTYPES[dtype]
+    say(f"to-hf: {step_dir} ({family.hf.architectures[0]}) -> {out} ({dtype})")
+    writer = ShardWriter(out, max_shard_bytes)
+    for group in groups:
+        for index, layer in enumerate(group.layers or (None,)):
+            for r in (*group.rules, *(group.copies if layer is not None else ())):
+                absolute = r in group.copies
+                slices = [reader.read(p if absolute else group.path(p), None if absolute or not group.stack else index)
+                          for p in r.ours]
+                values = r.save(*(np.asarray(s, np.float32) for s in slices))
+                for name, value in zip(group.names(r, layer), values):
+                    writer.add(name, value.astype(target))
+    shards = writer.close()
+    config = {**family.hf.config_json(c), "dtype": dtype, "torch_dtype": dtype}
+    with open(os.path.join(out, CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    say(f"  wrote {len(writer.weight_map)} tensors ({gib(writer.total)}) in {shards} shard(s) in "
+        f"{time.time() - started:.1f} s; peak memory {gib(peak_rss())}")
+    return 0
