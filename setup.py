@@ -13,6 +13,10 @@ DATA = ["tokenizers>=0.19", "sentencepiece>=0.2"]
 AOT = ["jax[cuda13-local]"]
 # benchmarks/offload_sweep.py and moe/attention benchmarks draw their charts with matplotlib.
 BENCH = ["matplotlib>=3.7"]
+# The reference implementation the checkpoint conversion is tested against (tests/test_convert_hf.py): transformers
+# with the CPU build of torch, which exists here for Python 3.11 only (a local wheel: pinned with its +cpu label so
+# that pip never resolves the multi-GB CUDA build); .ci/run runs those tests on the py311 stack.
+REFERENCE = ['torch==2.13.0+cpu; python_version < "3.12"', 'transformers>=5.0,<6; python_version < "3.12"']
 
 setup(
     name="MaxOffload",
@@ -23,7 +27,8 @@ setup(
     install_requires=requirements,
     # The test extra holds every package a test imports (tests/test_install.py checks it): the tokenizers
     # (tests prepare corpora with each kind), the CUDA plugin (tests compile for GB200), matplotlib (a test
-    # runs the sweep benchmark, which draws its chart) and pytest-xdist (the suite runs on both cores).
+    # runs the sweep benchmark, which draws its chart), the reference implementation (transformers, on Python 3.11)
+    # and pytest-xdist (the suite runs on both cores).
     extras_require={"data": DATA, "aot": AOT, "bench": BENCH,
-                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT, *BENCH]},
+                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT, *BENCH, *REFERENCE]},
 )

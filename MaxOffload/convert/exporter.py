@@ -7,6 +7,7 @@ safetensors shards: one layer in memory at a time.
 """
 import json
 import os
+import shutil
 import time
 
 import ml_dtypes
@@ -58,7 +59,6 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
         raise ConfigError(f"--out {out} is not empty; nothing was changed: give a new directory")
     run_dir, step_dir = locate(source)
     family, c = model_config(run_dir)
-    groups = family.hf.groups(c)
     # the saved structure must be this model's, and its files whole, before a byte is converted
     try:
         unverified = integrity.verify(step_dir, integrity.structure(nested(models.weight_leaves(c))), 0, 1,
@@ -71,20 +71,30 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
         say(f"warning: checkpoint {step_dir} is exported unverified: {unverified}")
     reader, target = WeightsReader(step_dir), DTYPES[dtype]
     say(f"to-hf: {step_dir} ({family.hf.architectures[0]}) -> {out} ({dtype})")
-    writer = ShardWriter(out, max_shard_bytes)
-    for group in groups:
-        for index, layer in enumerate(group.layers or (None,)):
-            for r in (*group.rules, *(group.copies if layer is not None else ())):
-                absolute = r in group.copies
-                slices = [reader.read(p if absolute else group.path(p), None if absolute or not group.stack else index)
-                          for p in r.ours]
-                values = r.save(*(np.asarray(s, np.float32) for s in slices))
-                for name, value in zip(group.names(r, layer), values):
-                    writer.add(name, value.astype(target))
+    staging = out.rstrip("/") + ".partial"  # renamed to `out` when complete: a stopped export leaves no `out`
+    shutil.rmtree(staging, ignore_errors=True)
+    writer = ShardWriter(staging, max_shard_bytes)
+    for name, value in hf_tensors(family.hf.groups(c), reader.read):
+        writer.add(name, value.astype(target))
     shards = writer.close()
     config = {**family.hf.config_json(c), "dtype": dtype, "torch_dtype": dtype}
-    with open(os.path.join(out, CONFIG), "w") as f:
+    with open(os.path.join(staging, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty (checked above)
+    os.replace(staging, out)
     say(f"  wrote {len(writer.weight_map)} tensors ({gib(writer.total)}) in {shards} shard(s) in "
         f"{time.time() - started:.1f} s; peak memory {gib(peak_rss())}")
     return 0
+
+
+def hf_tensors(groups, read):
+    """(Hugging Face name, float32 array) of every tensor, layer by layer; read(path, layer) gives a weight
+    (layer None) or one layer of a stacked one."""
+    for group in groups:
+        for index, layer in enumerate(group.layers or (None,)):
+            for r in (*group.rules, *(group.copies if layer is not None else ())):
+                copy = r in group.copies
+                slices = [read(p if copy else group.path(p), None if copy or not group.stack else index) for p in r.ours]
+                values = r.save(*(np.asarray(s, np.float32) for s in slices))
+                yield from zip(group.names(r, layer), values)

@@ -138,8 +138,13 @@ def from_hf(hf_dir, config_spec, overrides, out, say=print):
     architecture = hf.config["architectures"][0]
     say(f"from-hf: {hf_dir} ({architecture}, {len(hf.files)} shard(s), {gib(hf.nbytes())}) -> {out}/checkpoints/0 "
         f"({cfg.model.family}, {c.param_dtype} parameters)")
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
-    count, unused = convert(hf, cfg, family, out, say)
+    try:
+        count, unused = convert(hf, cfg, family, out, say)
+    except BaseException:  # nothing is left behind: a new --out goes, an existing one loses only the partial step
+        shutil.rmtree(out if created else os.path.join(out, "checkpoints", "0.converting"), ignore_errors=True)
+        raise
     params = sum(int(np.prod(leaf.shape)) for path, leaf in models.weight_leaves(c).items() if path[0] == "params")
     rundir.write_config(out, cfg.to_dict(), say)
     say(f"  read {count} tensors, wrote {params:,} parameters in {time.time() - started:.1f} s; peak memory "

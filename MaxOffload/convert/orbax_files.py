@@ -125,5 +125,9 @@ class WeightsReader:
         return self.arrays[path]
 
     def read(self, path, layer=None):
-        array = self._array(path)
-        return (array if layer is None else array[layer]).read().result()
+        try:
+            array = self._array(path)
+            return (array if layer is None else array[layer]).read().result()
+        except ValueError as e:  # tensorstore: absent or unreadable
+            raise ConfigError(f"{self.state_dir}: cannot read {leaf_name(path)} ({str(e).splitlines()[0][:160]}); "
+                              "the checkpoint is damaged or not of this model") from None

@@ -23,7 +23,7 @@ def deepseek():
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
         qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-        rms_norm_eps=1e-6, max_position_embeddings=256, num_nextn_predict_layers=0,
+        rms_norm_eps=1e-6, max_position_embeddings=128, num_nextn_predict_layers=0,
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}))
     with torch.no_grad():  # a router bias that changes the choices (transformers initialises it to zero)

@@ -1,0 +1,231 @@
+"""Hugging Face conversion without the reference implementation (tests/test_convert_hf.py has transformers):
+a run's checkpoint (saved by the real Checkpointer, OCDBT) -> to-hf -> from-hf gives back every weight bit for
+bit, the MTP layer and router biases included; FP8 block scales are applied; bad input is one line, exit 2,
+nothing changed. These run on every stack: they catch a change in Orbax's layout (the weights writer writes it
+itself, layer by layer)."""
+import json
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from MaxOffload import resolve
+from MaxOffload.cli import run
+from MaxOffload.config.loader import load
+from MaxOffload.convert.__main__ import main
+from MaxOffload.convert.exporter import to_hf
+from MaxOffload.convert.hf_files import CONFIG, HFCheckpoint, ShardWriter
+from MaxOffload.convert.importer import from_hf
+from MaxOffload.train import rundir
+from MaxOffload.train.checkpoint import Checkpointer, load_params
+
+DEEPSEEK = ("configs/deepseek_v3.py:tiny", ("model.mtp_depth=1",))
+LLAMA = ("configs/llama3_1.py:tiny", ())
+
+
+def saved_run(tmp, spec, overrides, seed):
+    """A run directory with one checkpoint of random weights (random router biases too), saved by the
+    Checkpointer train.py uses, and its config.json. Returns (run dir, setup, the state's weights)."""
+    out = os.path.join(tmp, "run")
+    cfg = load([spec, *overrides, f"run.output_dir={out}", f"run.seed={seed}"])
+    setup = resolve.train_setup(cfg)
+    state = setup.init_state()
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    state["model_state"] = jax.tree.map(lambda b: jax.random.normal(next(keys), b.shape, b.dtype) * 0.1,
+                                        state["model_state"])
+    os.makedirs(out)
+    checkpointer = Checkpointer(cfg, setup)
+    checkpointer.save(0, state, {"step": 0})
+    checkpointer.close()
+    rundir.write_config(out, cfg.to_dict(), lambda _: None)
+    return out, setup, {"params": state["params"], "model_state": state["model_state"]}
+
+
+def assert_same_weights(a, b):
+    flat_a, flat_b = jax.tree_util.tree_flatten_with_path(a)[0], dict(jax.tree_util.tree_flatten_with_path(b)[0])
+    assert len(flat_a) == len(flat_b)
+    for path, leaf in flat_a:
+        assert np.array_equal(np.asarray(leaf), np.asarray(flat_b[path])), jax.tree_util.keystr(path)
+
+
+_EXPORTS = {}
+
+
+def export(case, tmp_path_factory):
+    """(spec, overrides, run dir, setup, weights, its float32 export in several shards), made once per module."""
+    if case not in _EXPORTS:
+        spec, overrides = case
+        tmp = str(tmp_path_factory.mktemp("convert"))
+        run_dir, setup, weights = saved_run(tmp, spec, overrides, seed=3)
+        hf_dir = os.path.join(tmp, "hf")
+        to_hf(run_dir, hf_dir, "float32", 60_000, say=lambda _: None)
+        _EXPORTS[case] = spec, overrides, run_dir, setup, weights, hf_dir
+    return _EXPORTS[case]
+
+
+@pytest.fixture(scope="module", params=[DEEPSEEK, LLAMA], ids=["deepseek_mtp", "llama"])
+def exported(request, tmp_path_factory):
+    return export(request.param, tmp_path_factory)
+
+
+def test_a_run_exported_and_imported_again_keeps_every_weight(exported, tmp_path):
+    """to-hf (float32) of a run's OCDBT checkpoint, then from-hf: the parameters and router biases restored by
+    train.py's load_params are the saved ones, bit for bit (each layout's permutations and splits undone
+    exactly); to-hf of the import writes the same tensors again (the weights writer's own layout read back)."""
+    spec, overrides, _, setup, weights, hf_dir = exported
+    hf = HFCheckpoint(hf_dir)
+    assert len(hf.files) > 1, "the export should span several shards"
+    out, lines = str(tmp_path / "weights"), []
+    from_hf(hf_dir, spec, list(overrides), out, say=lines.append)
+    restored, step = load_params(out, setup)
+    assert step == 0
+    assert_same_weights(weights, restored)
+    assert "train from these weights:" in lines[-1] and f"checkpoint.load_params_from={out}" in lines[-1]
+    again = str(tmp_path / "hf_again")
+    to_hf(out, again, "float32", 10**9, say=lines.append)
+    second = HFCheckpoint(again)
+    assert sorted(second.tensors) == sorted(hf.tensors)
+    for name in hf.tensors:
+        assert np.array_equal(hf.raw(name), second.raw(name)), name
+    with open(os.path.join(again, CONFIG)) as f, open(os.path.join(hf_dir, CONFIG)) as g:
+        assert json.load(f) == json.load(g)
+
+
+def test_the_mtp_layer_is_exported_as_layer_num_layers_and_skipped_with_a_note_without_mtp(tmp_path_factory, tmp_path):
+    spec, overrides, *_, hf_dir = export(DEEPSEEK, tmp_path_factory)
+    hf = HFCheckpoint(hf_dir)
+    assert hf.config["num_nextn_predict_layers"] == 1
+    mtp = sorted(n for n in hf.tensors if n.startswith("model.layers.3."))
+    assert "model.layers.3.eh_proj.weight" in mtp and "model.layers.3.shared_head.head.weight" in mtp
+    assert np.array_equal(hf.raw("model.layers.3.embed_tokens.weight"), hf.raw("model.embed_tokens.weight"))
+    lines = []
+    from_hf(hf_dir, spec, ["model.mtp_depth=0"], str(tmp_path / "main_only"), say=lines.append)
+    note = next(line for line in lines if "note:" in line)
+    assert "model.layers.3.*" in note and "multi-token-prediction module, skipped" in note, note
+
+
+def quantize(w, block):
+    """float8 e4m3 blocks and their float32 scales (scale = the block's max |w| / 448, e4m3's largest value)."""
+    rows, cols = w.shape
+    b0, b1 = block
+    scale = np.ones((-(-rows // b0), -(-cols // b1)), np.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            scale[i, j] = max(np.abs(w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1]).max() / 448, 1e-12)
+    expanded = np.kron(scale, np.ones(block, np.float32))[:rows, :cols]
+    q = (w / expanded).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale, q.astype(np.float32) * expanded
+
+
+def rewrite(src, dst, tensors=lambda name, value: [(name, value)], config=lambda c: c):
+    """A copy of the Hugging Face checkpoint `src` whose tensors and config.json are passed through the edits."""
+    hf = HFCheckpoint(src)
+    writer = ShardWriter(dst, 100_000)
+    for name in sorted(hf.tensors):
+        for new_name, value in tensors(name, hf.raw(name)):
+            writer.add(new_name, value)
+    writer.close()
+    with open(os.path.join(dst, CONFIG), "w") as f:
+        json.dump(config(dict(hf.config)), f)
+    return dst
+
+
+def test_fp8_weights_are_dequantised_by_their_block_scales(exported, tmp_path):
+    """DeepSeek-V3's released layout: every linear weight float8 e4m3 with a `weight_scale_inv` per block (8x8
+    here, with partial blocks at the edges). The import equals the import of the same weights dequantised by
+    the test itself (w x scale_inv, block by block)."""
+    spec, overrides, *_, hf_dir = exported
+    block = (8, 8)
+    dequantized = {}
+
+    def fp8(name, value):
+        if value.ndim == 2 and name.endswith("proj.weight") and "embed" not in name:
+            q, scale, dequantized[name] = quantize(value, block)
+            return [(name, q), (name + "_scale_inv", scale)]
+        return [(name, value)]
+
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    fp8_dir = rewrite(hf_dir, str(tmp_path / "fp8"), fp8, lambda c: {**c, "quantization_config": quantization})
+    assert dequantized and HFCheckpoint(fp8_dir).tensors[next(iter(dequantized))][1] == np.dtype(ml_dtypes.float8_e4m3fn)
+    reference_dir = rewrite(hf_dir, str(tmp_path / "reference"),
+                            lambda name, value: [(name, dequantized.get(name, value))])
+    original = HFCheckpoint(hf_dir).raw(next(iter(dequantized)))
+    assert not np.array_equal(dequantized[next(iter(dequantized))], original)  # the quantisation did something
+    setup = resolve.train_setup(load([spec, *overrides]))
+    imported = {}
+    for label, directory in (("fp8", fp8_dir), ("reference", reference_dir)):
+        out = str(tmp_path / f"weights_{label}")
+        from_hf(directory, spec, list(overrides), out, say=lambda _: None)
+        imported[label] = load_params(out, setup)[0]
+    assert_same_weights(imported["reference"], imported["fp8"])
+
+
+def one_line_error(argv, capsys):
+    code = run(main, argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, (code, err)
+    return err
+
+
+@pytest.mark.once
+def test_bad_checkpoints_are_one_line_and_change_nothing(exported, tmp_path, capsys):
+    spec, overrides, run_dir, _, _, hf_dir = exported
+    out = str(tmp_path / "out")
+
+    def args(directory, *extra):
+        return ["from-hf", directory, "--config", spec, *overrides, *extra, "--out", out]
+    some = sorted(n for n in HFCheckpoint(hf_dir).tensors if n.endswith("o_proj.weight"))[0]
+
+    missing = rewrite(hf_dir, str(tmp_path / "missing"), lambda n, v: [] if n == some else [(n, v)])
+    assert f"has no tensor {some}" in one_line_error(args(missing), capsys)
+    wrong = rewrite(hf_dir, str(tmp_path / "wrong"), lambda n, v: [(n, v[:, :-1] if n == some else v)])
+    assert f"tensor {some} (shape" in one_line_error(args(wrong), capsys)
+    other = rewrite(hf_dir, str(tmp_path / "other"), config=lambda c: {**c, "architectures": ["MistralForCausalLM"]})
+    assert "MistralForCausalLM, an architecture this project does not import" in one_line_error(
+        args(other), capsys)
+    field = "norm_topk_prob" if overrides else "attention_bias"
+    unsupported = rewrite(hf_dir, str(tmp_path / "unsupported"), config=lambda c: {**c, field: not c.get(field, False)})
+    assert f"config.json has {field}=" in one_line_error(args(unsupported), capsys)
+    assert "contradicts" in one_line_error(args(hf_dir, "model.emb_dim=128"), capsys)
+    truncated = shutil.copytree(hf_dir, str(tmp_path / "truncated"))
+    shard = os.path.join(truncated, HFCheckpoint(hf_dir).files[-1])
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 100)
+    assert "not a readable safetensors shard" in one_line_error(args(truncated), capsys)
+    assert not os.path.exists(out), "a failed import must leave nothing behind"
+    # an --out that already holds weights is refused, and left as it was
+    assert run(main, args(hf_dir)) == 0
+    capsys.readouterr()
+    before = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert "already holds checkpoints" in one_line_error(args(hf_dir), capsys)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == before
+    # export: a damaged checkpoint is found before anything is written
+    chunk = next(os.path.join(root, name) for root, _, names in os.walk(os.path.join(out, "checkpoints", "0", "state"))
+                 for name in names if not name.startswith((".", "_")))
+    with open(chunk, "r+b") as f:
+        f.seek(0)
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    exported_to = str(tmp_path / "exported")
+    assert "is damaged" in one_line_error(["to-hf", out, "--out", exported_to], capsys)
+    assert not os.path.exists(exported_to)
+    assert "not empty" in one_line_error(["to-hf", run_dir, "--out", hf_dir], capsys)
+
+
+@pytest.mark.once
+def test_the_command_documents_both_directions_and_bad_input_is_one_line_without_a_traceback(tmp_path):
+    help_text = run_cli(["-m", "MaxOffload.convert", "--help"])
+    assert help_text.returncode == 0
+    for words in ("from-hf HF_DIR --config", "to-hf SOURCE --out HF_DIR", "checkpoint.load_params_from=DIR",
+                  "--dtype", "--max_shard_size"):
+        assert words in help_text.stdout, words
+    result = run_cli(["-m", "MaxOffload.convert", "from-hf", str(tmp_path), "--config", "configs/llama3_1.py:tiny",
+                      "--out", str(tmp_path / "out")])
+    assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path} has no config.json; give the " \
+        "directory save_pretrained (or a download) wrote", result.stderr
+    assert run_cli(["-m", "MaxOffload.convert", "sideways"]).returncode == 2
