@@ -43,8 +43,9 @@ SCHEMA = {
         "keep": (3, "keep the newest K checkpoints"),
         "resume": (True, "resume from the newest complete checkpoint in <run.output_dir>/checkpoints"),
         "fallback_to_previous": (False, "if the newest checkpoint is unreadable, resume from the one before it"),
-        "load_params_from": ("", "initialise the parameters from another run's checkpoint (run dir, its "
-                                 "checkpoints/ or one step dir); ignored when resuming"),
+        "load_params_from": ("", "initialise the weights (parameters and model state such as router biases) from "
+                                 "another run's checkpoint (run dir, its checkpoints/ or one step dir) or from "
+                                 "`python -m MaxOffload.convert from-hf`'s output; ignored when resuming"),
     },
     # The keys every family shares; each family adds its own (models.register joins them: see full_schema()).
     "model": {

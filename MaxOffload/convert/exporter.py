@@ -24,7 +24,7 @@ DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.f
 
 def locate(source):
     """(run directory, step directory) of a run directory, its checkpoints/ or one step directory."""
-    source = os.path.abspath(source.rstrip("/"))
+    source = os.path.normpath(source)
     if os.path.isdir(os.path.join(source, "state")):
         return os.path.dirname(os.path.dirname(source)), source
     directory = source if os.path.basename(source) == "checkpoints" else os.path.join(source, "checkpoints")

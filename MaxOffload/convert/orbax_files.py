@@ -67,7 +67,7 @@ class WeightsWriter:
         if path not in self.arrays:
             shape, dtype, stacked = self.shapes[path]
             metadata = {"shape": list(shape), "chunks": chunk_shape(shape, np.dtype(dtype).itemsize, stacked),
-                        "dtype": _zarr_dtype(dtype), "compressor": {"id": "zstd", "level": 1}}
+                        "dtype": _zarr_dtype(dtype), "compressor": None}  # weights barely compress: 2.4x faster
             spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(self.state_dir, leaf_name(path))},
                     "metadata": metadata, "create": True}
             self.arrays[path] = ts.open(spec).result()
