@@ -59,13 +59,15 @@ def test_imported_weights_give_transformers_logits(imported):
     assert error < 1e-4, f"{kind}: logits differ by {error:.2e} relative"
 
 
-def test_the_printed_command_trains_from_the_weights(imported, tmp_path):
+def test_the_printed_command_trains_from_the_weights_on_two_devices(imported, tmp_path):
     kind, *_, command = imported
     run = str(tmp_path / "run")
     assert command[:2] == ["python", "train.py"] and command[-1].startswith("checkpoint.load_params_from=")
-    result = run_cli([*command[1:], "train.steps=2", "train.warmup_steps=1", "train.seq_len=32", "train.eval_every=0", f"run.output_dir={run}"])
+    # two devices: the weights are restored into the run's sharding (fsdp over both), not as they were written
+    result = run_cli([*command[1:], "train.steps=2", "train.warmup_steps=1", "train.seq_len=32", "train.eval_every=0",
+                      f"run.output_dir={run}"], env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "parameters loaded from" in result.stdout
+    assert "parameters loaded from" in result.stdout and "(mesh fsdp=2)" in result.stdout
     with open(os.path.join(run, "metrics.jsonl")) as f:
         losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
     assert len(losses) >= 1 and np.all(np.isfinite(losses))

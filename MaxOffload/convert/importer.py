@@ -70,7 +70,7 @@ def _shape_error(hf, name, path, expected, got=None):
                        f"{'.'.join(path)} needs {tuple(expected)}; the checkpoint does not match its config.json")
 
 
-def convert(hf, cfg, family, out, say=print):
+def convert(hf, cfg, family, out):
     """Writes the weights of `hf` for the model of `cfg` into out/checkpoints/0; returns (tensors read, the
     names left unused)."""
     c = models.model_config(cfg)
@@ -141,7 +141,7 @@ def from_hf(hf_dir, config_spec, overrides, out, say=print):
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     try:
-        count, unused = convert(hf, cfg, family, out, say)
+        count, unused = convert(hf, cfg, family, out)
     except BaseException:  # nothing is left behind: a new --out goes, an existing one loses only the partial step
         shutil.rmtree(out if created else os.path.join(out, "checkpoints", "0.converting"), ignore_errors=True)
         raise
