@@ -3,16 +3,16 @@ python benchmarks/convert_memory.py [--layers 12] [--shard_size 500MB] [--output
 
 Writes a DeepSeek-V3-shaped Hugging Face checkpoint of random bfloat16 weights (emb 1024, 64 routed experts of
 512 + 1 shared, MLA; --layers layers, the first dense; 2.3 GiB in 5 shards at the defaults) with the exporter's
-own layer-by-layer path, then runs, each in a fresh process measured by os.wait4 (its own peak RSS):
+own layer-by-layer path, then, each in a fresh process:
 
-    baseline   what every conversion does before its first tensor: imports, the shard headers, the config,
-               the abstract model (python -m MaxOffload.convert's setup, nothing converted)
-    from-hf    the whole import: HF shards -> this project's float32 weights (an Orbax checkpoint)
-    to-hf      the whole export of those weights back to bfloat16 shards
+    from-hf    the import: HF shards -> this project's float32 weights (an Orbax checkpoint)
+    to-hf      the export of those weights back to bfloat16 shards
 
-and reports each one's growth over the baseline against the bound the conversion promises, one shard plus
-one layer's parameters (the largest layer, in the parameters' float32), and against the whole model. Writes
-DIR/convert_memory.json and .md (default DIR: benchmarks/results/convert_memory).
+Each process first does what precedes the conversion (imports, the shard headers, the config, the abstract
+model), then resets its peak-RSS mark (Linux: /proc/self/clear_refs 5) and converts; the growth is the peak
+(VmHWM) over the resident memory at the start of the conversion. It is reported against the bound the
+conversion promises, one shard plus one layer's parameters (the largest layer, in the parameters' float32),
+and against the whole model. Writes DIR/convert_memory.json and .md (default DIR: benchmarks/results/convert_memory).
 """
 import json
 import os
@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,27 +32,42 @@ SHAPE = ["model.vocab_size=32768", "model.emb_dim=1024", "model.first_k_dense=1"
          "model.qk_rope_head_dim=32", "model.v_head_dim=64", "model.num_experts=64", "model.num_experts_per_tok=6",
          "model.moe_mlp_dim=512", "model.n_groups=8", "model.topk_groups=4"]
 
-BASELINE = """
-import sys
+MEASURE = r"""
+import gc, json, re, sys, time
 from MaxOffload import models
 from MaxOffload.convert import exporter, importer
 from MaxOffload.convert.hf_files import HFCheckpoint
-hf = HFCheckpoint(sys.argv[1])
-cfg, family, _ = importer.resolve_config(hf, sys.argv[2], sys.argv[3:])
-models.weight_leaves(models.model_config(cfg))
+from MaxOffload.train import rundir
+
+def status():
+    return {k: int(v) * 1024 for k, v in re.findall(r"(VmHWM|VmRSS):\s+(\d+)", open("/proc/self/status").read())}
+
+kind, source, out, *rest = sys.argv[1:]
+if kind == "from-hf":
+    hf = HFCheckpoint(source)
+    cfg, family, _ = importer.resolve_config(hf, rest[0], rest[1:])
+    def convert():
+        importer.convert(hf, cfg, family, out)
+        rundir.write_config(out, cfg.to_dict(), lambda _: None)  # the model's config, for to-hf
+else:
+    models.weight_leaves(exporter.model_config(exporter.locate(source)[0])[1])
+    convert = lambda: exporter.to_hf(source, out, say=lambda _: None)
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak mark := now
+start, began = status()["VmRSS"], time.perf_counter()
+convert()
+print(json.dumps({"start": start, "peak": status()["VmHWM"], "seconds": time.perf_counter() - began}))
 """
 
 
 def measured(args):
-    """(peak RSS in bytes, seconds) of `python ARGS` in a fresh process (os.wait4: that process's own)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    _, status, usage = os.wait4(proc.pid, 0)
-    output = proc.stdout.read()
-    if status != 0:
-        raise SystemExit(f"python {' '.join(args)} failed:\n{output}")
-    return usage.ru_maxrss * 1024, time.perf_counter() - start
+    """{start, peak, seconds} of one conversion in a fresh process (MEASURE)."""
+    result = subprocess.run([sys.executable, "-c", MEASURE, *args], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if result.returncode != 0:
+        raise SystemExit(f"{args[0]} failed:\n{result.stdout}{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def synthesize(cfg, directory, shard_bytes):
@@ -121,28 +135,23 @@ def main(argv):
                             if f.endswith(".safetensors"))
         layer, model = layer_bytes(cfg)
         bound = largest_shard + layer
-        runs = {"baseline": ["-c", BASELINE, hf_dir, CONFIG, *overrides],
-                "from-hf": ["-m", "MaxOffload.convert", "from-hf", hf_dir, "--config", CONFIG, *overrides,
-                            "--out", weights],
-                "to-hf": ["-m", "MaxOffload.convert", "to-hf", weights, "--out", exported]}
-        results = {name: measured(args) for name, args in runs.items()}
+        results = {"from-hf": measured(["from-hf", hf_dir, weights, CONFIG, *overrides]),
+                   "to-hf": measured(["to-hf", weights, exported])}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    base = results["baseline"][0]
     lines = ["# Checkpoint conversion: peak memory against its bound", "",
              f"Synthetic DeepSeek-V3-shaped checkpoint: {options['--layers']} layers, {gib(hf_bytes)} of bfloat16 in "
              f"{shards} shards (largest {gib(largest_shard)}); this project's float32 weights: {gib(model)}, the "
              f"largest layer {gib(layer)}. Bound = largest shard + largest layer = {gib(bound)}.", "",
-             "| process | peak RSS | over baseline | / bound | / whole model (float32) | seconds |",
-             "|---|---|---|---|---|---|"]
+             "| conversion | RSS at its start | peak RSS | growth | growth / bound | growth / whole model | seconds |",
+             "|---|---|---|---|---|---|---|"]
     record = {"hf_bytes": hf_bytes, "shards": shards, "largest_shard": largest_shard, "layer_bytes": layer,
-              "model_bytes": model, "bound": bound, "runs": {}}
-    for name, (peak, seconds) in results.items():
-        growth = peak - base
-        record["runs"][name] = {"peak_rss": peak, "growth": growth, "seconds": round(seconds, 1)}
-        lines.append(f"| {name} | {gib(peak)} | {gib(growth)} | {growth / bound:.2f}x | {growth / model:.2f}x | "
-                     f"{seconds:.1f} |")
-    held = all(record["runs"][n]["growth"] <= bound for n in ("from-hf", "to-hf"))
+              "model_bytes": model, "bound": bound, "runs": results}
+    for name, r in results.items():
+        r["growth"] = growth = r["peak"] - r["start"]
+        lines.append(f"| {name} | {gib(r['start'])} | {gib(r['peak'])} | {gib(growth)} | {growth / bound:.2f}x | "
+                     f"{growth / model:.2f}x | {r['seconds']:.1f} |")
+    held = all(r["growth"] <= bound for r in results.values())
     lines += ["", f"bound held: {'yes' if held else 'NO'}"]
     write(out, "convert_memory", lines, record)
     return 0 if held else 1
