@@ -79,13 +79,17 @@ def test_an_export_loads_in_transformers_with_the_same_logits(imported, tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    kind, _, reference, out, _ = imported
+    kind, original, reference, out, _ = imported
     exported = str(tmp_path / "export")
     result = run_cli(["-m", "MaxOffload.convert", "to-hf", out, "--out", exported, "--dtype", dtype,
                       "--max_shard_size", "300KB"])
     assert result.returncode == 0, result.stderr
     with open(os.path.join(exported, "config.json")) as f:
-        assert json.load(f)["dtype"] == dtype
+        config = json.load(f)
+    assert config["dtype"] == dtype
+    # what the model does not define is carried over from the checkpoint imported (from-hf kept its config.json)
+    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id", "initializer_range"):
+        assert config[key] == getattr(original.config, key), key
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     error = relative_error(hf_models.logits(model, TOKENS), reference)
     assert error < tolerance, f"{kind} exported as {dtype}: logits differ by {error:.2e} relative"

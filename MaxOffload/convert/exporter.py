@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from MaxOffload import models
-from MaxOffload.convert.hf_files import CONFIG, ShardWriter
+from MaxOffload.convert.hf_files import CONFIG, HF_SOURCE, ShardWriter
 from MaxOffload.convert.orbax_files import WeightsReader, nested
 from MaxOffload.errors import ConfigError
 from MaxOffload.reports import gib
@@ -48,6 +48,32 @@ def model_config(run_dir):
                           "needs the config.json train.py or from-hf wrote beside checkpoints/") from None
 
 
+def source_config(run_dir, seen=()):
+    """The config.json of the Hugging Face checkpoint the run's weights came from ({} if none): from-hf keeps it
+    as hf_config.json; a run started with checkpoint.load_params_from leads to the run or weights it loaded."""
+    path = os.path.join(run_dir, HF_SOURCE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            loaded_from = json.load(f)["checkpoint"]["load_params_from"]
+        origin = locate(loaded_from)[0] if loaded_from else None
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return {}
+    return {} if origin is None or origin in seen else source_config(origin, (*seen, run_dir))
+
+
+# What an export keeps of its source's config.json besides what the model defines: the tokens' ids, the context
+# length it was trained for (Llama 3.1: 131072, not the rope scaling's original x factor), and the like.
+# A quantization_config is dropped: the export is not quantised.
+def exported_config(ours, source, dtype):
+    carried = {k: v for k, v in source.items()
+               if (k not in ours or k == "max_position_embeddings") and k not in ("quantization_config", "dtype",
+                                                                                  "torch_dtype")}
+    return {**ours, **carried, "dtype": dtype, "torch_dtype": dtype}
+
+
 def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
     from MaxOffload.convert.importer import peak_rss
     from MaxOffload.train import integrity
@@ -77,7 +103,7 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
     for name, value in hf_tensors(family.hf.groups(c), reader.read):
         writer.add(name, value.astype(target))
     shards = writer.close()
-    config = {**family.hf.config_json(c), "dtype": dtype, "torch_dtype": dtype}
+    config = exported_config(family.hf.config_json(c), source_config(run_dir), dtype)
     with open(os.path.join(staging, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     if os.path.isdir(out):

@@ -22,6 +22,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
+HF_SOURCE = "hf_config.json"  # from-hf keeps the source's config.json beside the weights, for the export
 SCALE_SUFFIX = "_scale_inv"
 
 

@@ -13,16 +13,26 @@ import time
 import numpy as np
 
 from MaxOffload import models
-from MaxOffload.convert.hf_files import SCALE_SUFFIX, HFCheckpoint
+from MaxOffload.convert.hf_files import HF_SOURCE, SCALE_SUFFIX, HFCheckpoint
 from MaxOffload.convert.orbax_files import WeightsWriter, nested
 from MaxOffload.errors import ConfigError
 from MaxOffload.models.hf import HFConfig
-from MaxOffload.reports import gib
+from MaxOffload.reports import gib, write_json
 from MaxOffload.train import integrity
 
 
 def _value_text(value):
     return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, float) else str(value)
+
+
+def _agrees(text, value):
+    """Whether an override's text means `value` (1e-5 and 0.00001 alike)."""
+    if isinstance(value, bool):
+        return text.lower() == str(value).lower()
+    try:
+        return type(value)(text) == value
+    except ValueError:
+        return text == str(value)
 
 
 def family_of(hf):
@@ -51,7 +61,7 @@ def resolve_config(hf, config_spec, overrides):
     given = dict(split_overrides(overrides))
     for key, value in keys.items():
         text = given.get(f"model.{key}")
-        if text is not None and text != _value_text(value) and str(value) != text:
+        if text is not None and not _agrees(text, value):
             raise ConfigError(f"model.{key}={text} contradicts {hf.directory}/config.json, which makes it {value}; "
                               "leave it out (the checkpoint's dimensions come from its config.json)")
     cfg = load([config_spec, *overrides, *(f"model.{k}={_value_text(v)}" for k, v in keys.items())])
@@ -147,6 +157,7 @@ def from_hf(hf_dir, config_spec, overrides, out, say=print):
         raise
     params = sum(int(np.prod(leaf.shape)) for path, leaf in models.weight_leaves(c).items() if path[0] == "params")
     rundir.write_config(out, cfg.to_dict(), say)
+    write_json(os.path.join(out, HF_SOURCE), hf.config)  # what an export carries over (exporter.py)
     say(f"  read {count} tensors, wrote {params:,} parameters in {time.time() - started:.1f} s; peak memory "
         f"{gib(peak_rss())}")
     if unused:

@@ -10,7 +10,7 @@ def llama():
 
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=256,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=512,  # 2x original x factor, as Llama 3.1
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 32}, rope_theta=500000.0, tie_word_embeddings=False))
 
