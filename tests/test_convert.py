@@ -229,3 +229,27 @@ def test_the_command_documents_both_directions_and_bad_input_is_one_line_without
     assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path} has no config.json; give the " \
         "directory save_pretrained (or a download) wrote", result.stderr
     assert run_cli(["-m", "MaxOffload.convert", "sideways"]).returncode == 2
+
+
+def test_a_config_json_of_older_transformers_reads_alike(exported, tmp_path):
+    """The released checkpoints' config.json (transformers 4) spells RoPE as `rope_scaling` + `rope_theta`
+    (DeepSeek-V3's with "type": "yarn"), transformers 5 as `rope_parameters`: both give the same model."""
+    spec, overrides, *_, hf_dir = exported
+
+    def legacy(config):
+        rope = dict(config.pop("rope_parameters"))
+        config["rope_theta"] = rope.pop("rope_theta")
+        if rope.get("rope_type") not in (None, "default"):
+            config["rope_scaling"] = {**rope, "type": rope.pop("rope_type")}
+        return config
+
+    older = rewrite(hf_dir, str(tmp_path / "older"), config=legacy)
+    assert "rope_parameters" not in HFCheckpoint(older).config
+    printed = {}
+    for label, directory in (("new", hf_dir), ("old", older)):
+        lines = []
+        from_hf(directory, spec, list(overrides), str(tmp_path / label), say=lines.append)
+        printed[label] = lines[-1].replace(str(tmp_path / label), "DIR")
+        with open(tmp_path / label / "config.json") as f:
+            printed[label] += json.dumps(json.load(f)["model"], sort_keys=True)
+    assert printed["old"] == printed["new"]
