@@ -10,6 +10,13 @@ def gib(n):
     return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
+def peak_rss():
+    """This process's peak resident memory in bytes (Linux: ru_maxrss is in KiB), for a tool's report lines."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def unwritable_dir(path):
     """Creates directory `path` (and its parents) and checks a file can be written there: None, or why not."""
     try:

@@ -17,7 +17,7 @@ from MaxOffload import models
 from MaxOffload.convert.hf_files import CONFIG, HF_SOURCE, ShardWriter
 from MaxOffload.convert.orbax_files import WeightsReader, nested
 from MaxOffload.errors import ConfigError
-from MaxOffload.reports import gib
+from MaxOffload.reports import gib, peak_rss
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
 
@@ -75,7 +75,6 @@ def exported_config(ours, source, dtype):
 
 
 def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
-    from MaxOffload.convert.importer import peak_rss
     from MaxOffload.train import integrity
 
     started = time.time()

@@ -5,19 +5,19 @@ the given config file and overrides); its weights are read tensor by tensor and 
 (convert/orbax_files.WeightsWriter) into <out>/checkpoints/0, with the resolved config in <out>/config.json.
 `python train.py CONFIG ... checkpoint.load_params_from=<out>` starts a run from them.
 """
+import math
 import os
 import re
 import shutil
 import time
 
-import numpy as np
 
 from MaxOffload import models
 from MaxOffload.convert.hf_files import HF_SOURCE, SCALE_SUFFIX, HFCheckpoint
 from MaxOffload.convert.orbax_files import WeightsWriter, nested
 from MaxOffload.errors import ConfigError
 from MaxOffload.models.hf import HFConfig
-from MaxOffload.reports import gib, write_json
+from MaxOffload.reports import gib, peak_rss, write_json
 from MaxOffload.train import integrity
 
 
@@ -35,7 +35,7 @@ def _agrees(text, value):
         return text == str(value)
 
 
-def family_of(hf):
+def hf_family(hf):
     """(Family, HFConfig) of a checkpoint, by its config.json's architectures."""
     fields = HFConfig(hf.config, hf.directory)
     architectures = hf.config.get("architectures") or [hf.config.get("model_type", "(none)")]
@@ -52,7 +52,7 @@ def resolve_config(hf, config_spec, overrides):
     last. An override that contradicts config.json, or a config file of another family, is a ConfigError."""
     from MaxOffload.config.loader import load, load_file, split_overrides
 
-    family, fields = family_of(hf)
+    family, fields = hf_family(hf)
     keys = family.hf.model_keys(fields)
     base = load_file(config_spec)
     if base.model.family != keys["family"]:
@@ -82,7 +82,7 @@ def _shape_error(hf, name, path, expected, got=None):
 
 def convert(hf, cfg, family, out):
     """Writes the weights of `hf` for the model of `cfg` into out/checkpoints/0; returns (tensors read, the
-    names left unused)."""
+    names left unused, parameters written)."""
     c = models.model_config(cfg)
     leaves = models.weight_leaves(c)
     groups = family.hf.groups(c)
@@ -124,7 +124,8 @@ def convert(hf, cfg, family, out):
     integrity.seal(partial, 0, 1, integrity.structure(nested(leaves)))
     os.replace(partial, final)
     used |= {n + SCALE_SUFFIX for n in used}
-    return len(used & set(hf.tensors)), sorted(set(hf.tensors) - used)
+    params = sum(math.prod(leaf.shape) for path, leaf in leaves.items() if path[0] == "params")
+    return len(used & set(hf.tensors)), sorted(set(hf.tensors) - used), params
 
 
 def unused_note(names):
@@ -151,25 +152,17 @@ def from_hf(hf_dir, config_spec, overrides, out, say=print):
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     try:
-        count, unused = convert(hf, cfg, family, out)
+        count, unused, params = convert(hf, cfg, family, out)
     except BaseException:  # nothing is left behind: a new --out goes, an existing one loses only the partial step
         shutil.rmtree(out if created else os.path.join(out, "checkpoints", "0.converting"), ignore_errors=True)
         raise
-    params = sum(int(np.prod(leaf.shape)) for path, leaf in models.weight_leaves(c).items() if path[0] == "params")
     rundir.write_config(out, cfg.to_dict(), say)
     write_json(os.path.join(out, HF_SOURCE), hf.config)  # what an export carries over (exporter.py)
     say(f"  read {count} tensors, wrote {params:,} parameters in {time.time() - started:.1f} s; peak memory "
         f"{gib(peak_rss())}")
     if unused:
-        extra = family.hf.skipped_note(c, unused) if hasattr(family.hf, "skipped_note") else ""
-        say(f"  note: {unused_note(unused)}{extra}")
+        say(f"  note: {unused_note(unused)}{family.hf.skipped_note(c, unused)}")
     train = " ".join(["python train.py", config_spec, *overrides, *differs, f"checkpoint.load_params_from={out}"])
     say(f"train from these weights:\n  {train}")
     return 0
 
-
-def peak_rss():
-    """This process's peak resident memory in bytes (Linux: ru_maxrss is in KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

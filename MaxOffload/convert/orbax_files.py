@@ -75,8 +75,7 @@ class WeightsWriter:
 
     def write(self, path, value, layer=None):
         """Writes `value` as the leaf (layer None) or its slice `layer` of a stacked leaf."""
-        shape, dtype, _ = self.shapes[path]
-        value = np.asarray(value, dtype)
+        value = np.asarray(value, self.shapes[path][1])
         target = self._array(path) if layer is None else self._array(path)[layer]
         target.write(value).result()
         self.written.setdefault(path, set()).add(layer)

@@ -97,7 +97,7 @@ class HFFormat:
 
 
 class HFConfig:
-    """A config.json's fields, read with one-line errors: `get(field)`, `require(field, ok, why)`."""
+    """A config.json's fields, read with one-line errors: `get`, `expect`, `unsupported`, `rope`."""
 
     def __init__(self, fields, source):
         self.fields, self.source = fields, source
