@@ -40,8 +40,12 @@ def main(argv):
     from MaxOffload import xla
 
     flags = xla.apply(cfg)  # before JAX's backend starts
-    if flags and os.environ.get("SLURM_PROCID", "0") == "0":
-        print(f"xla.preset={cfg.xla.preset}: XLA_FLAGS += {' '.join(flags)}", flush=True)
+    if os.environ.get("SLURM_PROCID", "0") == "0":
+        if flags:
+            print(f"xla.extra_flags: XLA_FLAGS += {' '.join(flags)}", flush=True)
+        if cfg.xla.preset != "baseline":
+            print(f"xla.preset={cfg.xla.preset}: the step compiles with {' '.join(xla.preset_flags(cfg.xla.preset))}",
+                  flush=True)
     from MaxOffload.offload.planner import resolve
 
     devices = None

@@ -13,14 +13,18 @@ state + batch), temporaries, output, the HBM total against the device's capacity
 launch.mem_fraction headroom) and a fits / does-not-fit verdict, host bytes (offloaded
 activations and host-resident state), the offloaded tensors and the compile time, and the compiled-work
 audit (MaxOffload/audit.py): the matmul FLOPs the optimized program executes per part of the model against
-its model FLOPs, with a WARNING for a part over its share or a ragged_dot lowered to a dense dot. Writes
-<run.output_dir>/aot_report.json. Exit status 0 fits, 1 does not fit, 2 bad input.
+its model FLOPs, with a WARNING for a part over its share or a ragged_dot lowered to a dense dot; and the
+predicted step time (MaxOffload/timeline.py): the compiled schedule simulated on the target's compute, copy and
+collective engines — compute time, the copy and collective time left exposed, the share of copy time hidden,
+model TFLOP/s per device and MFU. Writes <run.output_dir>/aot_report.json (the prediction under `timeline`),
+timeline.json (the predicted step as a Chrome/Perfetto trace: open it in ui.perfetto.dev or chrome://tracing) and
+timeline.png (one layer's window; needs matplotlib). Exit status 0 fits, 1 does not fit, 2 bad input.
 """
 import os
 import sys
 import time
 
-from MaxOffload import audit
+from MaxOffload import audit, hlo, timeline
 from MaxOffload.cli import tool
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.reports import gib
@@ -28,6 +32,7 @@ from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_miss
 
 
 def build_report(cfg, plan, target, topology):
+    """(the report dict, the timeline's Simulation) of the step compiled for `target` x `topology`."""
     from MaxOffload import hardware
     from MaxOffload.offload import xla_bugs
     from MaxOffload.offload.placement import activation_groups
@@ -39,11 +44,13 @@ def build_report(cfg, plan, target, topology):
     setup = TrainSetup(cfg, plan, devices)
     groups, problems, _ = activation_groups(cfg, setup)
     started = time.perf_counter()
-    compiled = setup.lower_train_step().compile()
+    compiled = setup.compile_train_step()
     compile_time = time.perf_counter() - started
     m = compiled.memory_analysis()
     hbm, host = compiled_bytes(m)
-    work = audit.of_compiled(compiled, setup)
+    module = hlo.parse(compiled.as_text())
+    work = audit.of_compiled(module, setup)
+    predicted, simulation = timeline.of_compiled(module, setup, timeline.Rates.of(accelerator, topology))
     usable = int(accelerator.hbm_bytes * cfg.launch.mem_fraction)
     host_usable = int(accelerator.host_ram_per_gpu * HOST_USABLE)
     return {
@@ -62,10 +69,10 @@ def build_report(cfg, plan, target, topology):
         "offloaded": {label: g["offloaded"] for label, g in groups.items()},
         "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
         "problems": problems, "compile_time_s": compile_time,
-        "compiled_work": work,
+        "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
         "warnings": [w for w in [xla_bugs.affects(plan, "gpu")] if w] + [f"compiled work: {w}" for w in
                                                                          work["warnings"]],
-    }
+    }, simulation
 
 
 def format_report(r):
@@ -87,6 +94,8 @@ def format_report(r):
         lines.append(f"  {label}: offloaded {', '.join(names) or '-'}")
     if r.get("compiled_work"):
         lines += [line for line in audit.format_audit(r["compiled_work"]) if not line.startswith("WARNING")]
+    if r.get("timeline"):
+        lines += timeline.format_report(r["timeline"]) + [f"  (xla.preset={r['xla_preset']})"]
     if r["problems"]:
         lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))
     lines += [f"WARNING: {w}" for w in r.get("warnings", [])]
@@ -118,8 +127,9 @@ def main(argv):
         raise ConfigError(f"run.output_dir={cfg.run.output_dir}: {e.strerror}; choose a writable directory") from None
     print(f"compiling the training step of {argv[0]} for {cfg.aot.topology} x {cfg.aot.target} "
           "(deviceless) ...", flush=True)
-    report = build_report(cfg, plan, cfg.aot.target, cfg.aot.topology)
+    report, simulation = build_report(cfg, plan, cfg.aot.target, cfg.aot.topology)
     publish(cfg, "aot_report.json", report, format_report(report))
+    print(timeline.write_pictures(simulation, cfg.run.output_dir))
     return 0 if report["fits"] else 1
 
 

@@ -27,11 +27,10 @@ import json
 import math
 import re
 
+from MaxOffload import hlo
+from MaxOffload.hlo import dims
 from MaxOffload.models import components
 
-COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
-SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 KERNEL_HINTS = ("triton", "cudnn", "mosaic", "pallas", "cublas", "__gpu$")
 # A part may take this much more than its expected FLOPs (plus what it recomputes) before a WARNING.
@@ -43,91 +42,6 @@ TOLERANCE = 1.15
 EXPECTED = {components.ATTENTION_SCORES: 2.0}
 
 
-@dataclasses.dataclass
-class Instruction:
-    name: str
-    shape: str  # the result type text: "bf16[8,16]{1,0}" or a tuple "(f32[2], s8[64]{0})"
-    opcode: str
-    operands: list  # operand names
-    attributes: str  # everything after the operand list
-    op_name: str
-    payload: str = ""  # the metadata's metadata_payload (jax >= 0.12 puts tokamax's op JSON there)
-
-
-def _string_end(text, i):
-    """Index just past the string literal opening at text[i]."""
-    j = i + 1
-    while j < len(text) and text[j] != '"':
-        j += 2 if text[j] == "\\" else 1
-    return j + 1
-
-
-def _balanced(text, start):
-    """Index just past the bracket group opening at text[start] (string literals skipped)."""
-    depth, i = 0, start
-    while i < len(text):
-        c = text[i]
-        if c == '"':
-            i = _string_end(text, i)
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return len(text)
-
-
-def _split_top(text):
-    """Splits an operand list on the commas outside brackets."""
-    parts, depth, current = [], 0, []
-    for c in text:
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        if c == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(c)
-    if "".join(current).strip():
-        parts.append("".join(current))
-    return parts
-
-
-def parse_instruction(line):
-    match = INSTRUCTION.match(line)
-    if not match:
-        return None
-    name, rest = match.groups()
-    rest = rest.strip()
-    if rest.startswith("("):
-        end = _balanced(rest, 0)
-    else:
-        end = rest.index(" ") if " " in rest else len(rest)
-    shape, rest = rest[:end], rest[end:].lstrip()
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-        return None
-    close = _balanced(rest, op.end() - 1)
-    operands = [p.strip().split()[-1].lstrip("%") for p in _split_top(rest[op.end():close - 1]) if p.strip()]
-    attributes = rest[close:]
-    return Instruction(name, shape, op.group(1), operands, attributes, _metadata(attributes, "op_name"),
-                       _metadata(attributes, "metadata_payload"))
-
-
-def _metadata(attributes, key):
-    """A string field of the metadata, unescaped (tokamax's hold JSON with quotes)."""
-    start = attributes.find(f' {key}="') + 1 or attributes.find(f'{{{key}="') + 1
-    if start <= 0:
-        return ""
-    start += len(key) + 1
-    return attributes[start + 1:_string_end(attributes, start) - 1].replace('\\"', '"').replace("\\\\", "\\")
-
-
 def _tokamax_op(op_name):
     """tokamax's {"op": ..., "arguments": ...} from an op name "...tokamax:{...}/...", or None."""
     start = op_name.find("tokamax:{")
@@ -135,7 +49,7 @@ def _tokamax_op(op_name):
         return None
     start += len("tokamax:")
     try:
-        return json.loads(op_name[start:_balanced(op_name, start)])
+        return json.loads(op_name[start:hlo.balanced(op_name, start)])
     except ValueError:
         return None
 
@@ -200,7 +114,7 @@ def triton_flops(ins):
     if not name or name.group(1) not in TRITON_KERNELS or start < 0:
         return None
     start += len("operand_layout_constraints=")
-    operands = [dims(p) for p in _split_top(ins.attributes[start + 1:_balanced(ins.attributes, start) - 1])]
+    operands = [dims(p) for p in hlo.split_top(ins.attributes[start + 1:hlo.balanced(ins.attributes, start) - 1])]
     op, flops = TRITON_KERNELS[name.group(1)]
     return op, flops(operands, dims(ins.shape))
 
@@ -218,43 +132,6 @@ def kernel_flops(op_name):
             except (KeyError, TypeError, ValueError):
                 return None
     return None
-
-
-def parse_module(text):
-    """{computation name: [Instruction]} and the entry computation's name."""
-    computations, entry, current = {}, None, None
-    for line in text.splitlines():
-        header = COMPUTATION.match(line)
-        if header:
-            current = header.group(2)
-            computations[current] = []
-            if header.group(1):
-                entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        if current is not None:
-            instruction = parse_instruction(line)
-            if instruction is not None:
-                computations[current].append(instruction)
-    return computations, entry
-
-
-def dims(shape_text):
-    """The dimensions of an array type text (the first array of a tuple)."""
-    match = SHAPE.search(shape_text)
-    return [int(d) for d in match.group(2).split(",") if d] if match else []
-
-
-def _int_list(attributes, key):
-    match = re.search(key + r"=\{([0-9,]*)\}", attributes)
-    return [int(d) for d in match.group(1).split(",") if d] if match else []
-
-
-def _called(attributes, key):
-    match = re.search(key + r"=%?([^\s,}]+)", attributes)
-    return match.group(1) if match else None
 
 
 @dataclasses.dataclass
@@ -291,64 +168,72 @@ class Count:
         return sum(m.flops for m in self.matmuls)
 
 
-def count(text):
-    """Count: every matmul of the module (scaled by its loops' trip counts), the unreadable kernels."""
-    computations, entry = parse_module(text)
-    if entry is None:
-        raise ValueError("not an HLO module: no ENTRY computation")
-    out = Count()
+class Counter:
+    """Walks a parsed module (MaxOffload/hlo.py) for its matmuls, into a Count. `instruction` counts one
+    instruction as one execution (a fusion or a kernel, with what it calls): the timeline prices each scheduled
+    kernel by it."""
 
-    def matmul(ins, shapes, kind, contracting, times, cloned):
-        lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
-        flops = 2 * math.prod(dims(ins.shape)) * math.prod(lhs[d] for d in contracting if d < len(lhs))
-        return Matmul(flops * times, ins.op_name, kind, cloned)
+    def __init__(self, module, out=None):
+        self.module, self.out = module, out if out is not None else Count()
 
-    def walk(name, times, stack=(), cloned=False):
+    def computation(self, name, times=1, stack=(), cloned=False):
         """[Matmul] of computation `name` run `times` times (`cloned`: by XLA's rematerialization)."""
-        if name not in computations or name in stack:
+        if name not in self.module.computations or name in stack:
             return []
-        body, stack, found = computations[name], stack + (name,), []
-        shapes = {i.name: i.shape for i in body}
-        for ins in body:
-            here = cloned or ".remat" in ins.name
-            if ins.opcode == "dot":
-                found.append(matmul(ins, shapes, "dot", _int_list(ins.attributes, "lhs_contracting_dims"), times,
-                                    here))
-                if "ragged_dot" in ins.op_name:
-                    out.dense_ragged_dots.append((ins.op_name, found[-1].flops))
-            elif ins.opcode == "custom-call":
-                target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
-                target = target.group(1) if target else "?"
-                kernel = kernel_flops(ins.payload) or kernel_flops(ins.op_name) or triton_flops(ins)
-                if target.startswith(GEMM_TARGETS):
-                    axes = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
-                    axes = [int(a.strip('" ')) for a in axes.group(1).split(",") if a.strip('" ')] if axes else []
-                    found.append(matmul(ins, shapes, "cublas", axes, times, here))
-                elif kernel:
-                    found.append(Matmul(kernel[1] * times, ins.op_name, kernel[0], here))
-                    out.counted_kernels[kernel[0]] = out.counted_kernels.get(kernel[0], 0) + times
-                elif any(h in target.lower() for h in KERNEL_HINTS):
-                    out.kernels[target] = out.kernels.get(target, 0) + times
-            elif ins.opcode == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
-                if not trips:
-                    out.unknown_trip_counts.append(ins.op_name or ins.name)
-                found += walk(_called(ins.attributes, "body"), times * (int(trips.group(1)) if trips else 1), stack,
-                              here)
-            elif ins.opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attributes)
-                names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
-                         [_called(ins.attributes, "true_computation"), _called(ins.attributes, "false_computation")])
-                found += max((walk(b, times, stack, here) for b in names),
-                             key=lambda ms: sum(m.flops for m in ms), default=[])
-            else:
-                for key in ("calls", "to_apply") if ins.opcode == "call" else ("calls",):
-                    if _called(ins.attributes, key):
-                        found += walk(_called(ins.attributes, key), times, stack, here)
+        found = []
+        for ins in self.module.computations[name]:
+            found += self.instruction(ins, name, times, stack + (name,), cloned)
         return found
 
-    out.matmuls = walk(entry, 1)
-    return out
+    def instruction(self, ins, computation, times=1, stack=(), cloned=False):
+        """[Matmul] of one instruction of `computation` run `times` times."""
+        out, shapes, here = self.out, self.module.shapes(computation), cloned or ".remat" in ins.name
+        if ins.opcode == "dot":
+            found = [_matmul(ins, shapes, "dot", ins.int_list("lhs_contracting_dims"), times, here)]
+            if "ragged_dot" in ins.op_name:
+                out.dense_ragged_dots.append((ins.op_name, found[-1].flops))
+            return found
+        if ins.opcode == "custom-call":
+            target = ins.target() or "?"
+            if target.startswith(GEMM_TARGETS):
+                axes = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
+                axes = [int(a.strip('" ')) for a in axes.group(1).split(",") if a.strip('" ')] if axes else []
+                return [_matmul(ins, shapes, "cublas", axes, times, here)]
+            kernel = kernel_flops(ins.payload) or kernel_flops(ins.op_name) or triton_flops(ins)
+            if kernel:
+                out.counted_kernels[kernel[0]] = out.counted_kernels.get(kernel[0], 0) + times
+                return [Matmul(kernel[1] * times, ins.op_name, kernel[0], here)]
+            if any(h in target.lower() for h in KERNEL_HINTS):
+                out.kernels[target] = out.kernels.get(target, 0) + times
+            return []
+        if ins.opcode == "while":
+            trips = ins.trip_count()
+            if trips is None:
+                out.unknown_trip_counts.append(ins.op_name or ins.name)
+            return self.computation(ins.called("body"), times * (trips or 1), stack, here)
+        if ins.opcode == "conditional":
+            return max((self.computation(b, times, stack, here) for b in ins.branches()),
+                       key=lambda ms: sum(m.flops for m in ms), default=[])
+        found = []
+        for key in ("calls", "to_apply") if ins.opcode == "call" else ("calls",):
+            if ins.called(key):
+                found += self.computation(ins.called(key), times, stack, here)
+        return found
+
+
+def _matmul(ins, shapes, kind, contracting, times, cloned):
+    lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+    flops = 2 * math.prod(dims(ins.shape)) * math.prod(lhs[d] for d in contracting if d < len(lhs))
+    return Matmul(flops * times, ins.op_name, kind, cloned)
+
+
+def count(text):
+    """Count: every matmul of the module (an HLO text or a parsed hlo.Module; scaled by its loops' trip counts),
+    the unreadable kernels."""
+    module = hlo.parse(text) if isinstance(text, str) else text
+    counter = Counter(module)
+    counter.out.matmuls = counter.computation(module.entry)
+    return counter.out
 
 
 def audit(text, model_flops, multiples=None):
@@ -414,8 +299,9 @@ def work_multiples(setup):
 
 
 def of_compiled(compiled, setup):
-    """The audit of a TrainSetup's compiled step."""
-    return audit(compiled.as_text(), model_flops_per_device(setup), work_multiples(setup))
+    """The audit of a TrainSetup's compiled step (a jax Compiled, or its parsed hlo.Module)."""
+    module = compiled if isinstance(compiled, hlo.Module) else hlo.parse(compiled.as_text())
+    return audit(module, model_flops_per_device(setup), work_multiples(setup))
 
 
 def _pflop(n):

@@ -1,5 +1,5 @@
 """Accelerator facts: the one table behind MFU, the deviceless GPU compile (its XLA target config
-is generated here) and later the planner.
+is generated here), the planner and the step-time timeline.
 
 Sources: vendor datasheets for HBM, bandwidth, peak and host link; XLA's published GPU target
 specs for the H100 and GB200 compiler fields (SMs, L2, clock, memory size). Other GPUs' compiler
@@ -26,6 +26,12 @@ class Accelerator:
     clock_ghz: float
     compute_capability: tuple
     derived: bool = False  # compiler fields not from a published XLA spec
+    # Collective links, bytes/s per direction per GPU (vendor figures): NVLink within the NVLink domain (a slice of
+    # the topology: one 8-GPU node for Hopper/B200, the 72-GPU rack for GB200/GB300 NVL72), the scale-out network
+    # (one 400 Gb/s ConnectX-7 NIC per GPU; GB300's ConnectX-8 800 Gb/s) across slices.
+    nvlink_bandwidth: float = 450 * GB  # NVLink 4: 900 GB/s bidirectional
+    network_bandwidth: float = 50 * GB
+    nvlink_domain: int = 8  # GPUs one NVLink domain joins (the rest talk over the network)
 
 
 ACCELERATORS = {
@@ -34,13 +40,15 @@ ACCELERATORS = {
     "h200": Accelerator("NVIDIA H200", 150_754_820_096, 4.8e12, 989e12, 64 * GB, "PCIe Gen5 x16", 8,
                         2048 * GB // 8, 132, 52_428_800, 1.98, (9, 0), derived=True),
     "gh200": Accelerator("NVIDIA GH200 480GB", 102_005_473_280, 4.0e12, 989e12, 450 * GB, "NVLink-C2C", 1,
-                         480 * GB, 132, 52_428_800, 1.98, (9, 0), derived=True),
+                         480 * GB, 132, 52_428_800, 1.98, (9, 0), derived=True, nvlink_domain=1),
     "b200": Accelerator("NVIDIA B200", 191_514_411_008, 8.0e12, 2.25e15, 64 * GB, "PCIe Gen6 x16", 8,
-                        4096 * GB // 8, 148, 132_120_576, 1.965, (10, 0), derived=True),
+                        4096 * GB // 8, 148, 132_120_576, 1.965, (10, 0), derived=True, nvlink_bandwidth=900 * GB),
     "gb200": Accelerator("NVIDIA GB200", 197_897_748_480, 7.928e12, 2.5e15, 450 * GB, "NVLink-C2C", 4,
-                         480 * GB // 2, 152, 135_528_448, 2.062, (10, 0)),
+                         480 * GB // 2, 152, 135_528_448, 2.062, (10, 0), nvlink_bandwidth=900 * GB,
+                         nvlink_domain=72),
     "gb300": Accelerator("NVIDIA GB300", 300_647_710_720, 8.0e12, 2.5e15, 450 * GB, "NVLink-C2C", 4,
-                         480 * GB // 2, 160, 135_528_448, 2.032, (10, 3), derived=True),
+                         480 * GB // 2, 160, 135_528_448, 2.032, (10, 3), derived=True,
+                         nvlink_bandwidth=900 * GB, network_bandwidth=100 * GB, nvlink_domain=72),
 }
 
 

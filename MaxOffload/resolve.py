@@ -27,7 +27,7 @@ def template(cfg):
     """The run's state placement with full remat on every layer: the planner's starting point."""
     return OffloadPlan(tuple(segments.uniform("full", models.layer_groups(cfg))),
                        params_on_host=bool(cfg.offload.params), optimizer_on_host=bool(cfg.offload.optimizer_state),
-                       verify_parity=bool(cfg.offload.verify_parity))
+                       verify_parity=bool(cfg.offload.verify_parity), xla_preset=cfg.xla.preset)
 
 
 def static_plan(cfg):

@@ -1,4 +1,11 @@
-"""XLA scheduling presets -> XLA_FLAGS, checked against the installed jaxlib before the backend starts.
+"""XLA scheduling presets -> compile options of the training step; xla.extra_flags and the environment's
+XLA_FLAGS, checked against the installed jaxlib before the backend starts.
+
+A preset is applied per compile (`compiler_options`: jax's `.compile(compiler_options=...)`), not through the
+process's XLA_FLAGS: so one process can compile a step under several presets (the planner chooses one by the
+compiled timelines) and a deviceless compile gets exactly its preset. XLA_FLAGS changed inside a running process
+did not reliably reach the GPU compiler (seen here: a preset set by the aot tool's process before any compile left
+the deviceless program unchanged, the same flags in the shell's environment changed it).
 
 An unknown flag in XLA_FLAGS aborts the process when JAX's backend starts, and XLA renames flags
 between releases (collective pipelining moved from --xla_gpu_enable_pipelined_all_gather=true to
@@ -87,23 +94,43 @@ def accepted(flags):
     return {f: cache[f] for f in flags}
 
 
-def flags_for(xla_cfg):
-    """The XLA_FLAGS of the configured preset (jaxlib-matched spellings) plus xla.extra_flags."""
-    spellings = [s for feature in PRESETS[xla_cfg.preset] for s in FEATURES[feature]]
-    known = accepted(spellings + list(xla_cfg.extra_flags))
+def preset_flags(preset):
+    """The flags of a preset's features in the installed jaxlib's spellings."""
+    spellings = [s for feature in PRESETS[preset] for s in FEATURES[feature]]
+    known = accepted(spellings)
     flags = []
-    for feature in PRESETS[xla_cfg.preset]:
+    for feature in PRESETS[preset]:
         usable = [s for s in FEATURES[feature] if known[s]]
         if not usable:
-            raise ConfigError(f"xla.preset={xla_cfg.preset}: this jaxlib knows no spelling of {feature} "
+            raise ConfigError(f"xla.preset={preset}: this jaxlib knows no spelling of {feature} "
                               f"({' or '.join(FEATURES[feature])}); choose another preset or upgrade jaxlib")
         flags.append(usable[0])
+    return flags
+
+
+# the enum values of the collective-pipelining options, as compile options spell them
+_ENUMS = {"default": "COLLECTIVE_PIPELINING_MODE_DEFAULT", "off": "COLLECTIVE_PIPELINING_MODE_OFF",
+          "on": "COLLECTIVE_PIPELINING_MODE_ON", "explicit": "COLLECTIVE_PIPELINING_MODE_EXPLICIT"}
+
+
+def compiler_options(preset):
+    """{option: value} for jax's `.compile(compiler_options=...)`: the preset's features (baseline: none, XLA's
+    defaults)."""
+    options = {}
+    for flag in preset_flags(preset):
+        name, _, value = flag[2:].partition("=")
+        options[name] = {"true": True, "false": False}.get(value, _ENUMS.get(value, value))
+    return options
+
+
+def extra_flags(xla_cfg):
+    """xla.extra_flags, each checked against the installed jaxlib (one ConfigError line for an unknown one)."""
+    known = accepted(list(xla_cfg.extra_flags))
     for flag in xla_cfg.extra_flags:
         if not known[flag]:
             raise ConfigError(f"xla.extra_flags: {flag} is not a flag of the installed jaxlib; check its spelling "
                               "(XLA renames flags between releases)")
-        flags.append(flag)
-    return flags
+    return list(xla_cfg.extra_flags)
 
 
 def check_environment():
@@ -123,12 +150,14 @@ def check_environment():
 
 
 def apply(cfg):
-    """Checks the environment's XLA_FLAGS and adds the configured flags to it; call before JAX's backend
-    starts. Returns the added flags."""
+    """Checks the environment's XLA_FLAGS and the preset's spellings, and adds xla.extra_flags to XLA_FLAGS; call
+    before JAX's backend starts. The preset itself reaches each compile as compile options (TrainSetup). Returns
+    the added flags."""
     check_environment()
-    if cfg.xla.preset == "baseline" and not cfg.xla.extra_flags:
+    preset_flags(cfg.xla.preset)
+    flags = extra_flags(cfg.xla)
+    if not flags:
         return []
-    flags = flags_for(cfg.xla)
     existing = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(existing + [f for f in flags if f not in existing])
     return flags

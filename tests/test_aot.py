@@ -91,12 +91,9 @@ def test_does_not_fit_verdict(tmp_path):
 
 
 def test_presets_give_the_expected_flags():
-    from ml_collections import ConfigDict
-
     from MaxOffload import xla
 
-    def flags(preset):
-        return xla.flags_for(ConfigDict({"preset": preset, "extra_flags": []}))
+    flags = xla.preset_flags
 
     assert flags("baseline") == []
     assert flags("lhs") == ["--xla_gpu_enable_latency_hiding_scheduler=true"]
@@ -111,6 +108,12 @@ def test_presets_give_the_expected_flags():
 
     if jaxlib.__version__ == "0.10.2":  # this jaxlib predates the enum spellings
         assert "--xla_gpu_enable_pipelined_all_gather=true" in pipelined
+    # as compile options (the way a preset reaches the step): booleans, and the pipelining enum's own names
+    options = xla.compiler_options("lhs_pipelined_offload")
+    assert xla.compiler_options("baseline") == {}
+    assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert options["xla_gpu_enable_pipelined_host_offloading"] is True
+    assert options.get("xla_gpu_pipeline_all_gather", "COLLECTIVE_PIPELINING_MODE_ON") == "COLLECTIVE_PIPELINING_MODE_ON"
 
 
 def test_unknown_flag_is_rejected_with_one_line(tmp_path):

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from MaxOffload.profile import timeline
-from MaxOffload.profile.timeline import COLLECTIVE, COMPUTE, D2H, H2D, Event, analyse
+from MaxOffload.profile import intervals
+from MaxOffload.profile.intervals import COLLECTIVE, COMPUTE, D2H, H2D, Event, analyse
 from MaxOffload.profile.trace import classify
 
 MS = 1e6  # ns
@@ -23,11 +23,11 @@ def close(a, b):
 
 # -- interval sets -------------------------------------------------------------------------------
 def test_interval_set_operations():
-    assert timeline.union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9)]) == [(0, 4), (5, 7)]
-    assert timeline.intersect([(0, 10)], [(2, 3), (5, 12)]) == [(2, 3), (5, 10)]
-    assert timeline.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
-    assert timeline.subtract([(0, 10)], [(-5, 20)]) == []
-    assert timeline.measure([(0, 4), (2, 6), (10, 11)]) == 7
+    assert intervals.union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9)]) == [(0, 4), (5, 7)]
+    assert intervals.intersect([(0, 10)], [(2, 3), (5, 12)]) == [(2, 3), (5, 10)]
+    assert intervals.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+    assert intervals.subtract([(0, 10)], [(-5, 20)]) == []
+    assert intervals.measure([(0, 4), (2, 6), (10, 11)]) == 7
 
 
 # -- overlap on synthetic timelines --------------------------------------------------------------
@@ -67,7 +67,7 @@ def test_nested_events_own_only_their_uncovered_time():
     # hidden by its own loop; on another line a kernel covers 7..8 of it.
     events = [ev("t", 0, 10, COMPUTE, "while"), ev("t", 1, 3, COMPUTE, "dot"), ev("t", 3, 4, COMPUTE, "add"),
               ev("t", 6, 9, D2H, "copy"), ev("u", 7, 8, COMPUTE, "k")]
-    owned = dict((e.name, iv) for e, iv in timeline.own_time(events))
+    owned = dict((e.name, iv) for e, iv in intervals.own_time(events))
     assert owned["while"] == [(0, 1 * MS), (4 * MS, 6 * MS), (9 * MS, 10 * MS)]
     r = analyse(events)
     assert close(r["compute_s"], 0.008)  # 0..6 and 7..8 and 9..10

@@ -2,7 +2,8 @@
 remat.policy=auto) and read, never re-derived, by the model, the train step and every report.
 
 Per layer segment (a run of layers compiled with one policy) a decision for every tagged name; where the
-parameters and the optimizer state live; whether the parity gate runs before training.
+parameters and the optimizer state live; the XLA scheduling preset the step (and so its copies) is compiled under
+(MaxOffload/xla.py); whether the parity gate runs before training.
 """
 import dataclasses
 
@@ -16,6 +17,7 @@ class OffloadPlan:
     params_on_host: bool = False
     optimizer_on_host: bool = False
     verify_parity: bool = False  # compare loss and gradients with full remat on one batch before training
+    xla_preset: str = "baseline"  # xla.PRESETS: xla.preset, or the planner's choice under remat.policy=auto
 
     @property
     def state_on_host(self):

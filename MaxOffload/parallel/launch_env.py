@@ -46,7 +46,7 @@ def exports(cfg, environ=None):
 
     environ = os.environ if environ is None else environ
     launch = cfg.launch
-    xla_flags = " ".join([environ.get("XLA_FLAGS", "").strip(), *xla.flags_for(cfg.xla)]).strip()
+    xla_flags = " ".join([environ.get("XLA_FLAGS", "").strip(), *xla.extra_flags(cfg.xla)]).strip()  # the preset: per compile
     return [
         ("XLA_PYTHON_CLIENT_MEM_FRACTION", str(launch.mem_fraction)),
         ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(host_memory_limit_gb(cfg))),

@@ -13,13 +13,13 @@ import json
 import sys
 
 from MaxOffload.errors import ConfigError
-from MaxOffload.profile import timeline, trace
+from MaxOffload.profile import intervals, trace
 
 
 def report(trace_dir, device=None):
     """{"module", "device", "markers", "steps": [analysis per step], "mean": analysis averaged over steps}."""
     found = trace.read_steps(trace_dir, device)
-    steps = [timeline.analyse(events) for events in found["steps"]]
+    steps = [intervals.analyse(events) for events in found["steps"]]
     result = {"trace_dir": trace_dir, "module": found["module"], "device": found["device"],
               "markers": found["markers"], "steps": steps, "window_steps": len(steps), "mean": mean(steps)}
     if len(steps) == 1 and len(found["markers"]) > 1:

@@ -13,7 +13,7 @@ import re
 
 from MaxOffload.errors import ConfigError
 from MaxOffload.offload.names import VOCABULARY
-from MaxOffload.profile.timeline import COLLECTIVE, COMPUTE, D2H, H2D, OTHER, Event
+from MaxOffload.profile.intervals import COLLECTIVE, COMPUTE, D2H, H2D, OTHER, Event
 
 _COLLECTIVE = re.compile(r"all[-_]?gather|reduce[-_]?scatter|all[-_]?reduce|all[-_]?to[-_]?all|"
                          r"collective[-_]?permute|nccl|send|recv", re.I)

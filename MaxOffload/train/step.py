@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxOffload import models
+from MaxOffload import models, xla
 from MaxOffload.models import kernels
 from MaxOffload.models.stack import to_device
 from MaxOffload.errors import ConfigError
@@ -67,6 +67,7 @@ class TrainSetup:
         rules = {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()}
         self.cfg, self.plan, self.devices, self.mesh, self.rules = cfg, plan, devices, mesh, rules
         self.experts = ExpertLayout.of(mesh, rules)  # the MoE layers' exchange: from the mesh, once
+        self.compiler_options = xla.compiler_options(plan.xla_preset)  # every compile of the step gets the preset
         self.tx = optimizer.build(cfg.train)
         self.schedule = optimizer.schedule(cfg.train)
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
@@ -199,14 +200,14 @@ class TrainSetup:
             return lower(jitted, *args) if lower else jitted.lower(*args)
 
     def compile_train_step(self):
-        return self.lower_train_step().compile()
+        return self.lower_train_step().compile(compiler_options=self.compiler_options)
 
     def compile_eval_step(self):
         jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"],
                                                        self.state_shardings["model_state"], self.batch_shardings()))
         with logical.activate(self.mesh, self.rules), kernels.lowering(self.mesh.devices.flat[0]):
             return jitted.lower(self.abstract_state["params"], self.abstract_state["model_state"],
-                                self.abstract_batch()).compile()
+                                self.abstract_batch()).compile(compiler_options=self.compiler_options)
 
     def put_batch(self, batch):
         """This process's rows of a global batch -> global arrays sharded over the batch axes."""

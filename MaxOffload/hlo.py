@@ -1,0 +1,217 @@
+"""The one reader of XLA's optimized HLO text (`Compiled.as_text()`, or a `*after_optimizations.txt` dump).
+
+A GPU compile's module is printed in schedule order (`is_scheduled=true`): each computation's instructions in
+the order the GPU runs them. The compiled-work audit (audit.py) counts matmuls on what this reads, the step-time
+timeline (timeline.py) simulates it.
+
+Read per instruction: its name, result type (an array type `bf16[8,16]{1,0}` or a tuple of them), opcode,
+operand names, the attribute text after the operand list, and the metadata's `op_name` and
+`metadata_payload`. Array types say their dimensions, element size and memory space: `S(5)` in the layout is
+pinned host memory (an offloaded buffer).
+"""
+import dataclasses
+import functools
+import math
+import re
+
+COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{([^}]*)\})?")
+HOST_MEMORY_SPACE = "S(5)"  # XLA's memory space of pinned host buffers on GPUs
+# bits per element; a type not listed (token, opaque) holds no bytes
+ELEMENT_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32,
+                "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+                "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3b11fnuz": 8,
+                "f8e3m4": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4, "f6e2m3fn": 6, "f6e3m2fn": 6}
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple
+    host: bool  # in pinned host memory (memory space S(5))
+
+    @property
+    def bytes(self):
+        return math.prod(self.dims) * ELEMENT_BITS.get(self.dtype, 0) // 8
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str  # the result type text: "bf16[8,16]{1,0}" or a tuple "(f32[2], s8[64]{0})"
+    opcode: str
+    operands: list  # operand names
+    attributes: str  # everything after the operand list
+    op_name: str
+    payload: str = ""  # the metadata's metadata_payload (jax >= 0.12 puts tokamax's op JSON there)
+
+    def called(self, key):
+        """The computation an attribute names (`calls`, `body`, `condition`, `to_apply`, ...), or None."""
+        return _called(self.attributes, key)
+
+    def branches(self):
+        """A conditional's branch computations."""
+        match = re.search(r"branch_computations=\{([^}]*)\}", self.attributes)
+        if match:
+            return [b.strip().lstrip("%") for b in match.group(1).split(",")]
+        return [b for b in (self.called("true_computation"), self.called("false_computation")) if b]
+
+    def trip_count(self):
+        """A while loop's trip count as XLA proved it (`known_trip_count`), or None."""
+        match = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', self.attributes)
+        return int(match.group(1)) if match else None
+
+    def int_list(self, key):
+        return _int_list(self.attributes, key)
+
+    def target(self):
+        """A custom call's target, or ''."""
+        match = re.search(r'custom_call_target="([^"]+)"', self.attributes)
+        return match.group(1) if match else ""
+
+    @property
+    def arrays(self):
+        return arrays(self.shape)
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict  # name -> [Instruction] in schedule order
+    entry: str
+
+    @functools.cached_property
+    def _shapes(self):
+        return {name: {i.name: i.shape for i in body} for name, body in self.computations.items()}
+
+    def shapes(self, computation):
+        """{instruction name: result type text} of one computation (operands are named, not typed, in the text)."""
+        return self._shapes.get(computation, {})
+
+    def root(self, computation):
+        body = self.computations.get(computation) or [None]
+        return body[-1]
+
+
+def _string_end(text, i):
+    """Index just past the string literal opening at text[i]."""
+    j = i + 1
+    while j < len(text) and text[j] != '"':
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
+
+
+def balanced(text, start):
+    """Index just past the bracket group opening at text[start] (string literals skipped)."""
+    depth, i = 0, start
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            i = _string_end(text, i)
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(text)
+
+
+def split_top(text):
+    """Splits an operand list on the commas outside brackets."""
+    parts, depth, current = [], 0, []
+    for c in text:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    if "".join(current).strip():
+        parts.append("".join(current))
+    return parts
+
+
+def parse_instruction(line):
+    match = INSTRUCTION.match(line)
+    if not match:
+        return None
+    name, rest = match.groups()
+    rest = rest.strip()
+    if rest.startswith("("):
+        end = balanced(rest, 0)
+    else:
+        end = rest.index(" ") if " " in rest else len(rest)
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    close = balanced(rest, op.end() - 1)
+    operands = [p.strip().split()[-1].lstrip("%") for p in split_top(rest[op.end():close - 1]) if p.strip()]
+    attributes = rest[close:]
+    return Instruction(name, shape, op.group(1), operands, attributes, metadata(attributes, "op_name"),
+                       metadata(attributes, "metadata_payload"))
+
+
+def metadata(attributes, key):
+    """A string field of the metadata, unescaped (tokamax's hold JSON with quotes)."""
+    start = attributes.find(f' {key}="') + 1 or attributes.find(f'{{{key}="') + 1
+    if start <= 0:
+        return ""
+    start += len(key) + 1
+    return attributes[start + 1:_string_end(attributes, start) - 1].replace('\\"', '"').replace("\\\\", "\\")
+
+
+def parse(text):
+    """The Module of an HLO text; ValueError when it has no ENTRY computation."""
+    computations, entry, current = {}, None, None
+    for line in text.splitlines():
+        header = COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            instruction = parse_instruction(line)
+            if instruction is not None:
+                computations[current].append(instruction)
+    if entry is None:
+        raise ValueError("not an HLO module: no ENTRY computation")
+    return Module(computations, entry)
+
+
+def arrays(type_text):
+    """The arrays of a type text (one, or a tuple's in order)."""
+    return [Array(dtype, tuple(int(d) for d in dims.split(",") if d), HOST_MEMORY_SPACE in (layout or ""))
+            for dtype, dims, layout in ARRAY.findall(type_text)]
+
+
+def dims(type_text):
+    """The dimensions of an array type text (the first array of a tuple)."""
+    found = arrays(type_text)
+    return list(found[0].dims) if found else []
+
+
+def nbytes(type_text, host=None):
+    """Bytes of a type text; host=True / False: only its arrays in pinned host / device memory."""
+    return sum(a.bytes for a in arrays(type_text) if host is None or a.host == host)
+
+
+def _int_list(attributes, key):
+    match = re.search(key + r"=\{([0-9,]*)\}", attributes)
+    return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+def _called(attributes, key):
+    match = re.search(r"\b" + key + r"=%?([^\s,}]+)", attributes)
+    return match.group(1) if match else None
