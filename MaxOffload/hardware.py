@@ -10,6 +10,15 @@ import dataclasses
 
 GB = 10**9
 
+# The achievable share of each peak below, for the step-time timeline (MaxOffload/timeline.py) and the planner's
+# cost model (MaxOffload/offload/costs.py): three constants, fitted to five step times measured side by side on one
+# H200 (benchmarks/results/h200_2026-11-29; the fit and its leave-one-out errors:
+# benchmarks/predict_vs_measured.py, benchmarks/results/timeline_2026-12-03). For scale, square micro-benchmarks on
+# that H200 reached 0.8 (a bf16 8192^3 matmul, 790 of 989 TFLOP/s) and 0.9 (a device copy, 4.3 of 4.8 TB/s): a
+# training step's kernels reach less. The link share applies to the host link, NVLink and the network alike; it was
+# measured on PCIe only.
+CALIBRATION = {"matmul_efficiency": 0.45, "hbm_efficiency": 0.8, "link_efficiency": 0.45}
+
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:

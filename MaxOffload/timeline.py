@@ -21,7 +21,8 @@ What a stall waits for is exposed time: step = compute + exposed copy + exposed 
 flight when the last instruction ends). Each event keeps its instruction's name, its op name's models/components
 part and its layer segment (layers_A_B), so the figures split per segment and the trace reads beside a profile.
 
-Calibration: three constants, the achievable shares of the target's peaks (CALIBRATION). Assumptions: kernels of
+Calibration: three constants, the achievable shares of the target's peaks (hardware.CALIBRATION: where they were
+measured is said there; benchmarks/predict_vs_measured.py checks them against measured step times). Assumptions: kernels of
 one stream never overlap each other; a kernel reaches the same share of the peak whatever its shape; async device
 computations (not transfers, not collectives) run on the compute stream; replica-group device ids are taken as
 global ids in slice-major order (the order MaxOffload/parallel/mesh.py builds).
@@ -32,14 +33,8 @@ import json
 import math
 import re
 
-from MaxOffload import audit, hlo
+from MaxOffload import audit, hardware, hlo
 from MaxOffload.models import components
-
-# Calibration: the achievable share of each peak (hardware.py). Measured on one H200 (REFERENCE.md §3): a bf16
-# 8192^3 matmul at ~790 of 989 TFLOP/s, a device copy at ~4.3 of 4.8 TB/s; over PCIe ~46 of 64 GB/s per direction
-# for the offload copies (benchmarks/results/h200_2026-11-29). The model kernels of a training step reach less than
-# a square matmul: see benchmarks/predict_vs_measured.py for the fit against measured step times.
-CALIBRATION = {"matmul_efficiency": 0.45, "hbm_efficiency": 0.8, "link_efficiency": 0.45}
 
 COMPUTE, D2H, H2D, COLLECTIVE = "compute", "d2h", "h2d", "collective"
 ENGINES = (COMPUTE, D2H, H2D, COLLECTIVE)
@@ -66,7 +61,7 @@ class Rates:
 
     @classmethod
     def of(cls, accelerator, topology="1x1x1", calibration=None):
-        c = {**CALIBRATION, **(calibration or {})}
+        c = {**hardware.CALIBRATION, **(calibration or {})}
         slice_devices = math.prod(int(d) for d in topology.split("x")[1:]) if topology else 1
         link = c["link_efficiency"]
         return cls(accelerator.name, accelerator.bf16_peak_flops, accelerator.bf16_peak_flops * c["matmul_efficiency"],

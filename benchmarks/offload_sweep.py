@@ -12,8 +12,9 @@ Variants (each in its own process: XLA_FLAGS must be set before the backend star
   offload+lhs+pipelined      same,                       xla.preset=lhs_pipelined_offload
   auto                       remat.policy=auto (the planner), xla.preset=lhs_pipelined_offload
 On a GPU: measured step time (median of --steps after one warm-up), TFLOP/s per device and peak memory.
-On a CPU machine with --target: the deviceless compile's HBM/host figures per device and the planner's
-predicted TFLOP/s (no measurement: XLA:CPU ignores the GPU presets and keeps offloaded tensors).
+On a CPU machine with --target: the deviceless compile's HBM/host figures per device and the step time its
+compiled timeline predicts (MaxOffload/timeline.py: step, exposed copy time, TFLOP/s; no measurement: XLA:CPU
+ignores the GPU presets and keeps offloaded tensors). The auto row runs under the preset the planner chose.
 On a CPU machine without --target: measured CPU step times (presets have no effect there).
 Prints a table (TFLOP/s/device and speed-up over remat), writes DIR/offload_sweep.csv and .png.
 """
@@ -50,11 +51,16 @@ from MaxOffload import models, resolve
 from MaxOffload.train import flops
 row = {}
 if target:
+    from MaxOffload import hardware, timeline
+    from MaxOffload.memory import compiled_bytes
     plan = planner.resolve(cfg, target, topology, log=lambda *a: None)
-    hbm, host = planner.compiled_memory(resolve.train_setup(cfg, planner._target_devices(target, topology), plan))
-    result = planner.predict(cfg, target, topology, offload_plan=plan)
-    row.update(mode="deviceless", hbm_gib=hbm / 2**30, host_gib=host / 2**30,
-               tflops_per_device=result.tflops_per_device(), step_s=result.step_time(), measured=False)
+    setup = resolve.train_setup(cfg, planner._target_devices(target, topology), plan)
+    compiled = setup.compile_train_step()
+    hbm, host = compiled_bytes(compiled.memory_analysis())
+    predicted = timeline.of_compiled(compiled, setup, timeline.Rates.of(hardware.ACCELERATORS[target], topology))[0]
+    row.update(mode="deviceless", hbm_gib=hbm / 2**30, host_gib=host / 2**30, measured=False,
+               tflops_per_device=predicted["model_tflops_per_device"], step_s=predicted["step_s"],
+               exposed_copy_s=predicted["exposed_copy_s"], xla_preset=plan.xla_preset)
 else:
     import jax
     from MaxOffload.parallel import logical
@@ -156,20 +162,22 @@ def main(argv):
 
 
 def format_table(rows, target):
-    kind = "predicted (cost model), memory from the deviceless compile" if target else "measured"
+    kind = "predicted (the compiled timelines), memory from the deviceless compile" if target else "measured"
     lines = [f"TFLOP/s per device: {kind}",
-             f"  {'variant':<24} {'TFLOP/s/dev':>12} {'vs remat':>9} {'step':>10} {'HBM GiB':>9} {'host GiB':>9}"]
+             f"  {'variant':<24} {'TFLOP/s/dev':>12} {'vs remat':>9} {'step':>10} {'HBM GiB':>9} {'host GiB':>9}"
+             + (f" {'exposed copy':>12}  xla.preset" if target else "")]
     for r in rows:
         if "error" in r:
             lines.append(f"  {r['variant']:<24} failed: {r['error']}")
             continue
+        exposed = f" {r['exposed_copy_s'] * 1e3:>10.1f}ms  {r['xla_preset']}" if "exposed_copy_s" in r else ""
         lines.append(f"  {r['variant']:<24} {r['tflops_per_device']:>12,.3f} {r.get('speedup_vs_remat', 0):>8.2f}x "
-                     f"{r['step_s'] * 1e3:>8.1f}ms {r['hbm_gib']:>9.2f} {r['host_gib']:>9.2f}")
+                     f"{r['step_s'] * 1e3:>8.1f}ms {r['hbm_gib']:>9.2f} {r['host_gib']:>9.2f}{exposed}")
     return "\n".join(lines)
 
 
 FIELDS = ["variant", "policy", "mode", "measured", "step_s", "tflops_per_device", "speedup_vs_remat", "hbm_gib",
-          "host_gib", "error"]
+          "host_gib", "exposed_copy_s", "xla_preset", "error"]
 
 
 def write_csv(rows, path):

@@ -13,16 +13,13 @@ from MaxOffload.errors import PlanError
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
-# Calibration, from measurements (docs/planner.md, "Calibration"):
-# achievable share of the bf16 peak: 0.34 measured on an H200 (Llama-8B layers, full remat, XLA's chunked
-# attention: 1.38 s/step where 0.6 predicted 0.79 s); the published DeepSeek-V3 GB200 runs imply ~0.31 (578
-# TFLOP/s of model FLOPs under remat = 4/3 x that in hardware FLOPs, of a 2.5 PFLOP/s peak) and ~0.36 (908).
-MATMUL_EFFICIENCY = 0.35
-# Per host link: (share of the nominal bandwidth a copy gets, share of a layer's compute copies hide under).
-# PCIe: measured on an H200 (jax 0.11.2): 18.3 GB each way per step cost 0.80 s more than its saved recompute
-# with xla.preset=baseline (~46 GB/s, nothing hidden) and 0.61 s with lhs_pipelined_offload (~20% hidden).
-# NVLink-C2C: not measured here; the published +57% for offloading on GB200 needs most copies hidden.
-LINK_CALIBRATION = {"PCIe": (0.72, 0.2), "NVLink-C2C": (0.8, 0.8)}
+# Speed: the achievable shares of the target's peaks are the timeline's calibration (hardware.CALIBRATION), so
+# the search and the compiled timelines that make the final choice (offload/planner.py) price work alike.
+# How much of a layer's compute the analytic search assumes copies hide under, per host link: a prior for the
+# search, not a measurement. The planner confirms its candidates by their compiled timelines, which simulate the
+# copies where the schedule puts them. PCIe: the H200 run hid ~20% (benchmarks/results/h200_2026-11-29);
+# NVLink-C2C: the published +57% for offloading on GB200 needs most copies hidden.
+ASSUMED_OVERLAP = {"PCIe": 0.2, "NVLink-C2C": 0.8}
 # HBM an offloaded tensor still takes, in layers of it. Measured with the deviceless GB200 compile (docs/planner.md):
 # XLA's figure for offloading policies matched base + kept tensors with no staging term (2 layers over-predicted
 # minimal_offloaded by 9.7%), so 0; raise it if a real GPU's figures say otherwise.
@@ -68,23 +65,24 @@ class Machine:
     name: str
     hbm_usable: float
     peak_flops: float  # achievable
-    hbm_bandwidth: float
-    host_link_bandwidth: float  # effective, per direction; inf = copies are free (CPU)
+    hbm_bandwidth: float  # achievable
+    host_link_bandwidth: float  # achievable, per direction; inf = copies are free (CPU)
     host_budget: float
     gpu: bool
-    overlap: float = 1.0  # share of a layer's compute that copies hide under
+    overlap: float = 1.0  # share of a layer's compute the search assumes copies hide under (ASSUMED_OVERLAP)
     save_s_per_byte: float = 0.0  # step time a stored byte costs (written in the forward, read in the backward)
 
 
 def machine(accelerator, mem_fraction, host_state_bytes=0):
     from MaxOffload.deviceless import HOST_USABLE
+    from MaxOffload.hardware import CALIBRATION
 
-    link_efficiency, overlap = LINK_CALIBRATION[accelerator.host_link.split()[0]]
+    hbm = accelerator.hbm_bandwidth * CALIBRATION["hbm_efficiency"]
     return Machine(accelerator.name, accelerator.hbm_bytes * mem_fraction,
-                   accelerator.bf16_peak_flops * MATMUL_EFFICIENCY, accelerator.hbm_bandwidth,
-                   accelerator.host_link_bandwidth * link_efficiency,
-                   accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True, overlap,
-                   2 / accelerator.hbm_bandwidth)
+                   accelerator.bf16_peak_flops * CALIBRATION["matmul_efficiency"], hbm,
+                   accelerator.host_link_bandwidth * CALIBRATION["link_efficiency"],
+                   accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True,
+                   ASSUMED_OVERLAP[accelerator.host_link.split()[0]], 2 / hbm)
 
 
 def cpu_machine():

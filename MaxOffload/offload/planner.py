@@ -17,10 +17,11 @@ model (MaxOffload/offload/costs.py) and search (MaxOffload/offload/search.py), t
        the causal P.V; norms (mla_q, mla_kv): 0, costed as memory traffic 3 x bytes / HBM bandwidth);
        recompute time = max(FLOPs / achievable peak, 3 x bytes / HBM bandwidth);
      - transfer time = bytes / (host-link bandwidth per direction (hardware.py: NVLink-C2C vs PCIe) x the
-       link's measured efficiency, LINK_CALIBRATION);
+       link's achievable share);
      - compute available to hide copies = the layer's forward FLOPs / achievable peak (the sum of its
        tagged matmuls plus the Q.K^T scores) for the copy to host, 2x that (+ recomputation) for the copy back;
-     - achievable peak = MATMUL_EFFICIENCY x the table's bf16 peak.
+     - achievable rates = hardware.CALIBRATION's shares of the table's peaks: the step-time timeline's
+       calibration (MaxOffload/timeline.py), so the search and the final choice price work alike.
      - storing a tensor (kept or offloaded) costs bytes x Machine.save_s_per_byte of step time: 2 / HBM
        bandwidth on a GPU, CPU_SAVE_S_PER_BYTE (measured) on XLA:CPU.
    HBM budget = capacity x launch.mem_fraction - base. With a GPU target the base and the backward's
@@ -34,33 +35,41 @@ model (MaxOffload/offload/costs.py) and search (MaxOffload/offload/search.py), t
 2. Search (offload/search.py `search`): if recomputing everything does not fit, offload what frees the most HBM first
    (`_fit_first`); if even the least-HBM plan does not fit, PlanError says what it would need. Then greedy
    by net seconds saved per byte: keep in HBM while it fits; otherwise offload while the host budget holds
-   and the group's copies still hide under the link's overlap share of compute (LINK_CALIBRATION);
+   and the group's copies still hide under the share of compute the search assumes (costs.ASSUMED_OVERLAP);
    otherwise recompute. Tensors the user pinned with remat.tensors.NAME stay as given. Then (confirm)
    the plan is compiled deviceless; while XLA's HBM figure is over the usable HBM, the planner charges the
    overshoot to the budget and searches again (at most CONFIRM_ROUNDS compiles, then PlanError).
-3. Output: a table (tensor, group, bytes, decision, reason), predicted step time and TFLOP/s per device,
-   and the exact override lines (`remat.policy=custom remat.tensors.X=...`, or per model group
-   `remat.groups.auto_moe.layers=moe remat.groups.auto_moe.tensors.X=...`).
+3. The final choice by compiled timelines (confirm): the search's plan, the plans the search makes when no copy
+   hides and when every copy hides, and full remat are each compiled and their schedules simulated
+   (MaxOffload/timeline.py); the fastest that fits HBM and host memory is then compiled under each other XLA preset
+   (xla.PRESETS) and the fastest plan x preset that fits wins (`choose`). Each distinct plan and preset is one
+   compile: 4-8 for a model (the full-remat anchor's compile serves as the full-remat candidate).
+4. Output: a table (tensor, group, bytes, decision, reason), the candidates with their predicted step times,
+   the chosen plan's predicted step time and TFLOP/s per device, and the exact override lines
+   (`remat.policy=custom remat.tensors.X=...`, or per model group `remat.groups.auto_moe.layers=moe
+   remat.groups.auto_moe.tensors.X=...`, and `xla.preset=...`).
 Plans are cached per config (JSON in ~/.cache/maxoffload/plans, keyed by a hash of everything that
 changes the plan). On CPU (no GPU target), offloaded tensors are simply kept (XLA:CPU drops the host
 placement), so the planner uses `CPU` below: memory = half the machine's RAM, copies free, storing costly.
 """
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import sys
 
-from MaxOffload import audit
+from MaxOffload import audit, hardware, hlo, timeline, xla
 from MaxOffload.cli import tool
+from MaxOffload.errors import PlanError
 from MaxOffload.memory import compiled_bytes
-from MaxOffload.offload.costs import (LINK_CALIBRATION, MATMUL_EFFICIENCY, OFFLOAD_STAGING_LAYERS, Candidate,
-                                      cost_model, cpu_machine, gib, machine, usage, with_recompute_hbm)
+from MaxOffload.offload.costs import (ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, Candidate, cost_model, cpu_machine, gib,
+                                      machine, usage, with_recompute_hbm)
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 from MaxOffload.offload.search import HBM_MARGIN, Plan, plan_error, search
 
-PLANNER_VERSION = 3
+PLANNER_VERSION = 4
 CONFIRM_ROUNDS = 3  # confirming compiles before PlanError
 
 
@@ -113,6 +122,94 @@ def compiled_memory(setup):
     return compiled_bytes(setup.compile_train_step().memory_analysis())
 
 
+@dataclasses.dataclass
+class Trial:
+    """One candidate of the final choice: a plan's decisions under an XLA preset, compiled and simulated."""
+    label: str
+    preset: str
+    decisions: dict
+    reasons: dict
+    hbm: float = None
+    host: float = None
+    work: dict = None  # the compiled-work audit
+    timeline: dict = None  # MaxOffload/timeline.py's report
+    error: str = ""  # the compile failed (XLA's first line)
+    fits: bool = False
+
+    @property
+    def step_s(self):
+        return self.timeline["step_s"] if self.timeline else math.inf
+
+
+def measure(trial, setup, m, rates, compiled=None):
+    """Fills a Trial from the compile of `setup` (its plan is the trial's): memory, fit, audit and timeline."""
+    import jax
+
+    if compiled is None:
+        try:
+            compiled = setup.compile_train_step()
+        except jax.errors.JaxRuntimeError as e:
+            trial.error = (str(e).strip().splitlines() or ["?"])[0][:200]
+            return trial
+    trial.hbm, trial.host = compiled_bytes(compiled.memory_analysis())
+    trial.fits = trial.hbm <= m.hbm_usable * (1 - HBM_MARGIN / 2) and trial.host <= m.host_budget
+    module = hlo.parse(compiled.as_text())
+    trial.work = audit.of_compiled(module, setup)
+    trial.timeline = timeline.of_compiled(module, setup, rates)[0]
+    return trial
+
+
+def _search_label(overlap):
+    return f"search (copies hide under {overlap:.0%})"
+
+
+def alternatives(candidates, costs, m, base, penalty):
+    """[(label, decisions, reasons)]: what the analytic search plans when no copy hides under compute and when
+    every copy hides, and full remat: the other candidates of the final choice."""
+    out = []
+    for overlap in (0.0, 1.0):
+        try:
+            decisions, reasons = search(candidates, costs, dataclasses.replace(m, overlap=overlap), base, penalty)
+        except PlanError:
+            continue
+        out.append((_search_label(overlap), decisions, reasons))
+    full = {(c.group, c.name): c.pinned or (REMAT if REMAT in c.options else DEVICE) for c in candidates}
+    out.append(("full remat", full, {key: "full remat, a candidate of the final choice" for key in full}))
+    return out
+
+
+def choose(result, setup, m, rates, full_compiled, log):
+    """The final choice (planner step 3): the candidate plans, then the best one's other XLA presets, each compiled
+    and simulated; sets result's decisions, preset and timeline to the fastest trial that fits."""
+    base_plan = setup.plan
+    primary = result.trials[0]
+    seen = {(frozenset(primary.decisions.items()), primary.preset)}
+
+    def trial(label, decisions, reasons, preset, compiled=None):
+        key = (frozenset(decisions.items()), preset)
+        if key in seen:
+            return
+        seen.add(key)
+        offload_plan = dataclasses.replace(base_plan.per_group(group_decisions(decisions)), xla_preset=preset)
+        log(f"planner: compiling '{label}' under xla.preset={preset} for its timeline ...")
+        result.trials.append(measure(Trial(label, preset, decisions, reasons), setup.with_plan(offload_plan), m, rates,
+                                     compiled))
+
+    for label, decisions, reasons in alternatives(result.candidates, result.costs, m, result.base_hbm,
+                                                  result.hbm_penalty):
+        reuse = full_compiled if label == "full remat" and base_plan.xla_preset == primary.preset else None
+        trial(label, decisions, reasons, primary.preset, reuse)
+    best = min((t for t in result.trials if t.fits), key=lambda t: t.step_s)
+    for preset in xla.PRESETS:
+        trial(best.label, best.decisions, best.reasons, preset)
+    best = min((t for t in result.trials if t.fits), key=lambda t: t.step_s)
+    result.decisions, result.xla_preset, result.timeline = dict(best.decisions), best.preset, best.timeline
+    result.compiled_work = best.work  # compiled_hbm/host stay the search plan's: the check of the HBM model
+    if best.decisions != primary.decisions:
+        result.reasons = {key: f"{why}; the plan '{best.label}', chosen by the compiled timelines"
+                          for key, why in best.reasons.items()}
+
+
 def plan(cfg, target=None, topology=None, confirm=True, log=print):
     """The Plan for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
     from MaxOffload import resolve
@@ -131,32 +228,43 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
     tokens = cfg.train.per_device_batch_size * cfg.train.seq_len
     other_s = 6 * tokens * mc.emb_dim * mc.vocab_size / m.peak_flops
     confirm = confirm and m.gpu
+    full_compiled = None
     if confirm:
         log(f"planner: compiling full remat and keep-everything for {target or accelerator.name} (the HBM base "
             "and the recompute working set) ...")
-        full_hbm, _ = compiled_memory(setup)
+        full_compiled = setup.compile_train_step()
+        full_hbm, _ = compiled_bytes(full_compiled.memory_analysis())
         saved_hbm, _ = compiled_memory(setup.with_plan(saved_plan(setup.plan, candidates)))
         candidates, base = with_recompute_hbm(candidates, full_hbm, saved_hbm)
         source = ("deviceless compiles" if target else "compiles") + \
             f" of full remat ({gib(full_hbm)}) and keep-everything ({gib(saved_hbm)})"
     else:
         base, source = analytic_base(setup, groups, mc.vocab_size), "analytic estimate (no compile)"
-    result = Plan({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s)
+    result = Plan({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s,
+                  xla_preset=setup.plan.xla_preset)
     result.decisions, result.reasons = search(candidates, costs, m, base)
-    for round_ in range(CONFIRM_ROUNDS if confirm else 0):
+    if not confirm:
+        return result
+    import jax
+
+    rates = timeline.Rates.of(accelerator, topology or f"1x1x{len(devices or jax.devices())}")
+    label = _search_label(m.overlap)
+    for round_ in range(CONFIRM_ROUNDS):
         variant = setup.with_plan(to_offload_plan(setup.plan, result))
         log(f"planner: confirming the plan with a compile (round {round_ + 1}) ...")
-        compiled = variant.compile_train_step()
-        result.compiled_hbm, result.compiled_host = compiled_bytes(compiled.memory_analysis())
-        result.compiled_work = audit.of_compiled(compiled, variant)
-        over = result.compiled_hbm - m.hbm_usable * (1 - HBM_MARGIN / 2)
-        if over <= 0 and result.compiled_host <= m.host_budget:
+        confirmed = measure(Trial(label, result.xla_preset, dict(result.decisions), dict(result.reasons)), variant, m,
+                            rates, variant.compile_train_step())
+        result.compiled_hbm, result.compiled_host, result.compiled_work = confirmed.hbm, confirmed.host, confirmed.work
+        if confirmed.fits:
+            result.trials, result.timeline = [confirmed], confirmed.timeline
             break
         if round_ + 1 == CONFIRM_ROUNDS:
             raise plan_error(m, result.compiled_hbm, result.compiled_host,
                              f"the best plan after {CONFIRM_ROUNDS} confirming compiles")
+        over = result.compiled_hbm - m.hbm_usable * (1 - HBM_MARGIN / 2)
         result.hbm_penalty += max(over, 0) + max(0.0, result.compiled_hbm - result.hbm_bytes())
         result.decisions, result.reasons = search(candidates, costs, m, base, result.hbm_penalty)
+    choose(result, setup, m, rates, full_compiled, log)
     return result
 
 
@@ -210,31 +318,33 @@ def check_prediction(cfg, target, topology):
 # plan -> OffloadPlan / override lines (printed, never parsed back) / table
 
 
-def group_decisions(result):
-    """{model group: {name: decision}} over the tagged names the plan decided."""
+def group_decisions(decisions):
+    """{model group: {name: decision}} of a plan's {(group, name): decision}."""
     out = {}
-    for (group, name), d in result.decisions.items():
+    for (group, name), d in decisions.items():
         out.setdefault(group, {})[name] = d
     return out
 
 
 def override_lines(result):
     """The exact command-line overrides that reproduce the plan without the planner."""
-    per_group = group_decisions(result)
+    per_group = group_decisions(result.decisions)
+    preset = [f"xla.preset={result.xla_preset}"] if result.timeline else []
     lines = ["remat.policy=custom"]
     if len(per_group) == 1:
         (only,) = per_group.values()
-        return lines + [f"remat.tensors.{n}={d}" for n, d in only.items()]
+        return lines + [f"remat.tensors.{n}={d}" for n, d in only.items()] + preset
     for group, chosen in per_group.items():
         lines.append(f"remat.groups.auto_{group}.layers={group}")
         lines += [f"remat.groups.auto_{group}.tensors.{n}={d}" for n, d in chosen.items()]
-    return lines
+    return lines + preset
 
 
 def to_offload_plan(base, result):
     """`base` (an OffloadPlan: the run's state placement) with the plan's decisions on its layers: what the
     override lines give when typed on the command line."""
-    return base.per_group(group_decisions(result))
+    planned = base.per_group(group_decisions(result.decisions))
+    return dataclasses.replace(planned, xla_preset=result.xla_preset) if result.xla_preset else planned
 
 
 def format_plan(result):
@@ -250,19 +360,34 @@ def format_plan(result):
                      f"{c.recompute_s * 1e3:>8.3g}ms {copy:>9}  {d:<8} {result.reasons[(c.group, c.name)]}")
     for group, g in result.costs.items():
         lines.append(f"  group {group}: {g.layers} layers, forward {g.forward_flops / 1e12:,.3g} TFLOP "
-                     f"({g.forward_s * 1e3:.3g} ms) per layer per device; exposed copy "
+                     f"({g.forward_s * 1e3:.3g} ms) per layer per device; exposed copy (analytic) "
                      f"{result.exposed_s(group) * 1e3:.3g} ms/layer")
     lines.append(f"predicted HBM per device: {gib(result.hbm_bytes())} (base {gib(result.base_hbm)}: "
                  f"{result.base_source}) of {gib(m.hbm_usable)} usable; host {gib(result.host_bytes())} of "
                  f"{gib(m.host_budget)}")
     if result.compiled_hbm is not None:
-        err = (result.hbm_bytes() - result.compiled_hbm) / result.compiled_hbm
+        primary = result.trials[0] if result.trials else None
+        predicted = result.hbm_bytes() if primary is None else result.hbm_bytes(primary.decisions)
+        err = (predicted - result.compiled_hbm) / result.compiled_hbm
         lines.append(f"compiled HBM per device: {gib(result.compiled_hbm)} (prediction {err:+.1%}), host "
-                     f"{gib(result.compiled_host)}")
+                     f"{gib(result.compiled_host)}" + (" (the search's plan)" if primary else ""))
     if result.compiled_work is not None:
         lines += audit.format_audit(result.compiled_work)
-    lines.append(f"predicted step time {result.step_time() * 1e3:,.1f} ms, "
-                 f"{result.tflops_per_device():,.1f} TFLOP/s per device")
+    if result.trials:
+        lines.append("candidates by their compiled timelines (one compile each):")
+        lines.append(f"  {'plan':<30} {'xla.preset':<22} {'HBM':>11} {'host':>11} {'step':>12}")
+        for t in result.trials:
+            chosen = "  <- chosen" if t.decisions == result.decisions and t.preset == result.xla_preset else ""
+            if t.error:
+                lines.append(f"  {t.label:<30} {t.preset:<22} failed to compile: {t.error}")
+                continue
+            lines.append(f"  {t.label:<30} {t.preset:<22} {gib(t.hbm):>11} {gib(t.host):>11} "
+                         f"{t.step_s * 1e3:>9,.4g} ms{'' if t.fits else '  does not fit'}{chosen}")
+    if result.timeline:
+        lines += timeline.format_report(result.timeline)
+    else:
+        lines.append(f"predicted step time (analytic, no compile) {result.step_time() * 1e3:,.1f} ms, "
+                     f"{result.tflops_per_device():,.1f} TFLOP/s per device")
     lines.append("overrides: " + " ".join(override_lines(result)))
     return "\n".join(lines)
 
@@ -283,7 +408,7 @@ def cache_key(cfg, target, topology, device_count=None):
     relevant.update(batch=cfg.train.per_device_batch_size, seq_len=cfg.train.seq_len,
                     mem_fraction=cfg.launch.mem_fraction, target=target, topology=topology,
                     devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,
-                    constants=[MATMUL_EFFICIENCY, LINK_CALIBRATION, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
+                    constants=[hardware.CALIBRATION, ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -304,25 +429,27 @@ def resolve(cfg, target=None, topology=None, confirm=True, use_cache=True, log=p
         try:
             with open(path) as f:
                 cached = json.load(f)
-            chosen, lines = cached["decisions"], cached["overrides"]
+            chosen, lines, preset = cached["decisions"], cached["overrides"], cached["xla_preset"]
             log(f"remat.policy=auto: cached plan {path}")
         except (OSError, ValueError, KeyError):
             cached = None
     if cached is None:
         result = plan(cfg, target, topology, confirm=confirm, log=log)
         log(format_plan(result))
-        chosen, lines = group_decisions(result), override_lines(result)
+        chosen, lines = group_decisions(result.decisions), override_lines(result)
+        preset = result.xla_preset
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
-                json.dump({"decisions": chosen, "overrides": lines, "predicted_step_s": result.step_time(),
+                json.dump({"decisions": chosen, "overrides": lines, "xla_preset": preset,
+                           "predicted_step_s": result.step_time(),
                            "predicted_tflops_per_device": result.tflops_per_device(),
                            "predicted_hbm_bytes": result.hbm_bytes(), "compiled_hbm_bytes": result.compiled_hbm},
                           f, indent=1)
         except OSError:
             pass  # a cache only
     log("remat.policy=auto resolved to: " + " ".join(lines))
-    return resolve_lib.template(cfg).per_group(chosen)
+    return dataclasses.replace(resolve_lib.template(cfg).per_group(chosen), xla_preset=preset)
 
 
 @tool
@@ -347,6 +474,8 @@ def main(argv):
     print(format_plan(result))
     fits = result.hbm_bytes() <= result.machine.hbm_usable and (
         result.compiled_hbm is None or result.compiled_hbm <= result.machine.hbm_usable)
+    if result.trials:  # the chosen plan's own compile
+        fits = any(t.fits and t.decisions == result.decisions and t.preset == result.xla_preset for t in result.trials)
     return 0 if fits else 1
 
 

@@ -27,16 +27,24 @@ class Plan:
     compiled_work: dict = None  # the confirming compile's audit (MaxOffload/audit.py)
     model_flops_per_device: float = 0.0
     other_s: float = 0.0  # embedding/unembedding etc.: outside the layers
+    xla_preset: str = None  # the XLA preset it compiles under (None: the run's own)
+    timeline: dict = None  # the chosen plan's compiled timeline (MaxOffload/timeline.py), once confirmed
+    trials: list = dataclasses.field(default_factory=list)  # planner.Trial: the candidates of the final choice
 
-    def hbm_bytes(self):
-        """Predicted HBM per device of this plan."""
-        return self.base_hbm + usage(self.candidates, self.decisions)[0]
+    def hbm_bytes(self, decisions=None):
+        """Predicted HBM per device of this plan (or of other `decisions` over the same candidates)."""
+        return self.base_hbm + usage(self.candidates, self.decisions if decisions is None else decisions)[0]
 
     def host_bytes(self):
         return usage(self.candidates, self.decisions)[1]
 
     def step_time(self):
-        """Predicted seconds per step: compute (forward + backward (2x) + recomputation) + storing + exposed
+        """Predicted seconds per step: the compiled timeline's once the plan was compiled (the planner's final
+        choice), else the analytic estimate (analytic_step_time)."""
+        return self.timeline["step_s"] if self.timeline else self.analytic_step_time()
+
+    def analytic_step_time(self):
+        """The cost model's seconds per step: compute (forward + backward (2x) + recomputation) + storing + exposed
         copies. Once a confirming compile was audited (compiled_work, MaxOffload/audit.py), the compute is
         the compiled program's matmul FLOPs at the achievable peak, not the model's ideal: a plan that
         compiles into extra work (a dense ragged_dot, say) is predicted slower."""
