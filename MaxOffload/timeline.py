@@ -241,13 +241,14 @@ class Simulation:
 
     def host_transfer(self, ins, computation, result):
         """(direction, bytes) when `ins` moves data between the device and pinned host memory, else None: into a
-        host buffer (its result is host memory) the device operands' bytes, out of one the device result's."""
+        host buffer (its result is host memory) the device operands' bytes (not the scalar offsets of a
+        dynamic-update-slice), out of one the device result's."""
         shapes = self.module.shapes(computation)
         operands = [hlo.arrays(shapes.get(o, "")) for o in ins.operands]
         into_host = any(a.host for a in hlo.arrays(result))
         from_host = any(a.host for arrays in operands for a in arrays)
         if into_host:
-            moved = sum(a.bytes for arrays in operands for a in arrays if not a.host)
+            moved = sum(a.bytes for arrays in operands for a in arrays if not a.host and a.dims)
             return (D2H, moved) if moved else None
         if from_host:
             return H2D, hlo.nbytes(result, host=False)

@@ -20,6 +20,8 @@ def reports(tmp_path_factory):
         assert result.returncode == 0, result.stdout + result.stderr
         assert "FITS" in result.stdout
         out[policy] = json.loads((directory / "aot_report.json").read_text())
+        out[policy]["trace"] = json.loads((directory / "timeline.json").read_text())
+        assert (directory / "timeline.png").exists() and "predicted step time on NVIDIA GB200" in result.stdout
     return out
 
 
@@ -53,6 +55,25 @@ def test_the_compiled_work_audit_reads_the_step(reports):
     for name in ("projections", "unembed", "mlp"):
         assert parts[name]["ratio"] == pytest.approx(1.0, abs=0.05), (name, parts[name])
     assert save_all["warnings"] == [] and save_all["dense_ragged_dots"] == 0 and save_all["unknown_trip_counts"] == []
+
+
+def test_the_report_predicts_the_step_from_its_timeline(reports):
+    """aot_report.json's `timeline` (these keys are promised to scripts) and the trace beside it: offloading
+    moves bytes over the host link, collectives run over the 4 GPUs (FSDP), and the trace has them all."""
+    for policy, r in reports.items():
+        t = r["timeline"]
+        for key in ("step_s", "compute_s", "exposed_copy_s", "exposed_collective_s", "copy_hidden_fraction",
+                    "model_tflops_per_device"):
+            assert key in t, (policy, key)
+        assert t["step_s"] >= t["compute_s"] > 0 and t["collective_bytes"] > 0
+        assert t["step_s"] == pytest.approx(t["compute_s"] + t["exposed_copy_s"] + t["exposed_collective_s"])
+        lanes = {e["args"]["name"] for e in r["trace"]["traceEvents"] if e["ph"] == "M" and "tid" in e}
+        assert lanes == {"compute", "d2h", "h2d", "collective"}
+    for policy in ("full", "save_all"):
+        assert reports[policy]["timeline"]["d2h_bytes"] == 0 and reports[policy]["timeline"]["copy_hidden_fraction"] is None
+    custom = reports["custom"]["timeline"]
+    assert custom["d2h_bytes"] == pytest.approx(reports["custom"]["host_temp_bytes_per_device"], rel=0.05)
+    assert custom["h2d_bytes"] == custom["d2h_bytes"] and 0 <= custom["copy_hidden_fraction"] <= 1
 
 
 def test_host_bytes_only_when_offloading(reports):
@@ -126,10 +147,29 @@ def test_unknown_flag_is_rejected_with_one_line(tmp_path):
     assert result.returncode == 2 and "did you mean lhs_pipelined" in result.stderr
 
 
-def test_preset_reaches_xla_flags_in_train_py(tmp_path):
+def test_a_preset_reaches_the_compiled_step(tmp_path):
+    """xla.preset is applied to each compile (compile options): in one process the same offloading step compiles
+    differently under baseline and lhs_pipelined_offload (double buffering rewrites the layer loops). XLA_FLAGS
+    changed inside a running process did not always reach the deviceless compiler; train.py says what it uses."""
+    import dataclasses
+    import re
+
+    from MaxOffload import deviceless, resolve
+    from MaxOffload.config import load
+
+    cfg = load([*TINY, "remat.policy=minimal_offloaded", f"run.output_dir={tmp_path}"])
+    setup = resolve.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
+
+    def trips(plan):
+        text = setup.with_plan(plan).compile_train_step().as_text()
+        return re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)
+
+    assert setup.plan.xla_preset == "baseline" and trips(setup.plan) == ["4", "4"]
+    piped = trips(dataclasses.replace(setup.plan, xla_preset="lhs_pipelined_offload"))
+    assert piped != ["4", "4"], piped
     result = run_cli(["train.py", *TINY, "run.dry_run=true", f"run.output_dir={tmp_path}", "xla.preset=lhs"])
     assert result.returncode == 0, result.stderr
-    assert "XLA_FLAGS += --xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
+    assert "xla.preset=lhs: the step compiles with --xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
 
 
 def test_missing_plugin_says_what_to_install(monkeypatch):
