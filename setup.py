@@ -14,9 +14,11 @@ AOT = ["jax[cuda13-local]"]
 # benchmarks/offload_sweep.py and moe/attention benchmarks draw their charts with matplotlib.
 BENCH = ["matplotlib>=3.7"]
 # The reference implementation the checkpoint conversion is tested against (tests/test_convert_hf.py): transformers
-# with the CPU build of torch, which exists here for Python 3.11 only (a local wheel: pinned with its +cpu label so
-# that pip never resolves the multi-GB CUDA build); .ci/run runs those tests on the py311 stack.
-REFERENCE = ['torch==2.13.0+cpu; python_version < "3.12"', 'transformers>=5.0,<6; python_version < "3.12"']
+# and torch 2.13.0 on Python 3.11. `torch==2.13.0` resolves with PyPI alone (checked: pip install --dry-run
+# --index-url https://pypi.org/simple -e '.[test]'), where it is PyPI's CUDA build; on the CI machine a CPU build of
+# the same release (2.13.0+cpu, which the pin admits) lies in pip's find-links, so CI never fetches the CUDA build.
+# .ci/run runs those tests on the py311 stack.
+REFERENCE = ['torch==2.13.0; python_version < "3.12"', 'transformers>=5.0,<6; python_version < "3.12"']
 
 setup(
     name="MaxOffload",

@@ -6,7 +6,7 @@ Needs matplotlib for its chart: pip install -e '.[bench]' (the test extra includ
 compiles deviceless when aot.target is given on the command line (--target X or aot.target=X).
 
 Variants (each in its own process: XLA_FLAGS must be set before the backend starts):
-  remat                      remat.policy=full,          xla.preset=baseline
+  remat                      remat.policy=full (and every remat.groups.G.policy), xla.preset=baseline
   offload                    the config's own policy if it offloads, else minimal_offloaded, baseline
   offload+lhs                same,                       xla.preset=lhs
   offload+lhs+pipelined      same,                       xla.preset=lhs_pipelined_offload
@@ -109,10 +109,8 @@ def variant_argv(argv, name):
 
         cfg = load(argv)
         extra += [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
-        if cfg.remat.groups:
-            from MaxOffload.errors import ConfigError
-
-            raise ConfigError(f"{argv[0]} has remat.groups; the '{name}' variant needs a config without them")
+        if policy == "full":  # the config's layer groups recompute everything too (auto replaces them itself)
+            extra += [f"remat.groups.{g}.policy=full" for g in cfg.remat.groups]
     return argv + extra + [f"xla.preset={preset}"]
 
 
@@ -121,7 +119,9 @@ def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
     from MaxOffload import cli
     from MaxOffload.config import ConfigError, load
+    from MaxOffload.platform import prefer_cpu_without_gpu
 
+    prefer_cpu_without_gpu()  # this process only reads configs: no CUDA plugin traceback on a machine without a GPU
     argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS,
                                  options={"--steps": "5", "--variants": ",".join(VARIANTS)})
     cfg = load(argv)

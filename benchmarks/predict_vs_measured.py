@@ -6,8 +6,8 @@ The measured side is an offload sweep run on a GPU (benchmarks/offload_sweep.py'
 benchmarks/results/h200_2026-11-29/offload_sweep.csv: one H200, jax 0.11.2, the model of
 benchmarks/gpu/offload_check.py, XLA's chunked attention then). Each variant is compiled here, deviceless for the
 same GPU, as it was run (its policy and xla.preset, model.attention=xla; the `auto` row as the planner planned it
-then: every tagged tensor kept in HBM), and its compiled schedule is simulated (MaxOffload/timeline.py) with the
-calibration in the code. Printed: per variant the measured and predicted step time, their ratio, and both
+then: every tagged tensor kept in HBM; with another --measured CSV, as today's planner plans it for the target),
+and its compiled schedule is simulated (MaxOffload/timeline.py) with the calibration in the code. Printed: per variant the measured and predicted step time, their ratio, and both
 rankings. Then the three constants fitted to these points (least squares of the log ratio, a pattern search from
 the code's values) and leave-one-out: each point predicted by the constants fitted on the others.
 Writes DIR/predict_vs_measured.md and .json. Five deviceless compiles: about 4 minutes on 2 CPU cores.
@@ -49,17 +49,20 @@ def measured_rows(path):
     return known
 
 
-def compile_variant(name, target):
-    """The optimized HLO text of one variant's step, compiled deviceless for `target`."""
+def compile_variant(name, target, plan_auto=False):
+    """The optimized HLO text of one variant's step, compiled deviceless for `target`; `plan_auto`: the auto row
+    as the planner plans it now (else as it was measured in 2026-11)."""
     from benchmarks.gpu.offload_check import MODEL, OFFLOAD
     from MaxOffload import deviceless, resolve
     from MaxOffload.config import load
+    from MaxOffload.offload import planner
 
-    overrides, preset = AS_RUN[name]
+    overrides, preset = (["remat.policy=auto"], "lhs_pipelined_offload") if plan_auto and name == "auto" else \
+        AS_RUN[name]
     cfg = load([*MODEL, *(OFFLOAD if overrides == "OFFLOAD" else overrides), f"xla.preset={preset}",
                 "model.attention=xla"])
     devices = deviceless.compile_only_devices(target, "1x1x1")
-    setup = resolve.train_setup(cfg, devices)
+    setup = resolve.train_setup(cfg, devices, planner.resolve(cfg, target, "1x1x1", log=lambda *a: None))
     return setup.compile_train_step().as_text()
 
 
@@ -122,7 +125,7 @@ def main(argv):
     modules = {}
     for name in measured:
         print(f"compiling {name} deviceless for {options['--target']} ...", flush=True)
-        text = compile_variant(name, options["--target"])
+        text = compile_variant(name, options["--target"], plan_auto=options["--measured"] != MEASURED)
         if options["--save_programs"]:
             import gzip
 

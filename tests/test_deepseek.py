@@ -568,6 +568,10 @@ def test_offload_recipe_fits_128_devices_fsdp16_ep8(background):
     # fp32 params + Adam: 12 bytes per parameter (the MTP block's included), split 128 ways (norms and router
     # biases aside)
     assert summary["state_bytes_per_device"] == pytest.approx(12 * 682.64e9 / 128, rel=0.01)
+    # active per token: router + top-8 routed + shared experts, MLA, dense MLPs, embedding and head (and the MTP
+    # block's one pass); the main model alone is DeepSeek-V3's published "37B activated" (test_mtp: 37.55B)
+    assert summary["params_active"] == pytest.approx(39.17e9, rel=0.001)
+    assert "39.17B active per token" in out
 
 
 # --------------------------------------------------------------------------------------------

@@ -216,6 +216,9 @@ def test_671b_with_mtp_counts_the_block_and_its_work():
     mla_macs = d * 1536 + 1536 * heads * 192 + d * 576 + 512 * heads * 256 + heads * 128 * d
     extra = mla_macs + 2 * d * d + d * 256 + (8 + 1) * 3 * d * 2048 + d * vocab
     assert c.matmul_params_per_token() == main.matmul_params_per_token() + extra
+    # activated per token (model cards' count: its matmul weights and the embedding table): the published 37B
+    assert main.active_params() == main.matmul_params_per_token() + vocab * d == pytest.approx(37.55e9, rel=0.001)
+    assert c.active_params() == main.active_params() + extra
     assert c.attention_dims()[0] == 62
 
 

@@ -43,6 +43,12 @@ class FromConfig:
         """Weights each token multiplies by: the FLOP-bearing parameters (embedding lookup excluded)."""
         return sum(self.matmul_params_by_component().values())
 
+    def active_params(self):
+        """Parameters one token's pass uses, as model cards count "activated" parameters: its matmul weights (for
+        MoE the router, the top-k routed and the shared experts) and the embedding table (the output head
+        already, when tied); norms left out."""
+        return self.matmul_params_per_token() + (0 if self.tie_embeddings else self.vocab_size * self.emb_dim)
+
     def require_positive(self, *fields):
         for f in fields:
             require(getattr(self, f) > 0, f"model.{f} must be > 0, got {getattr(self, f)}")

@@ -134,7 +134,8 @@ def run(cfg, plan, devices=None):
 def describe_setup(cfg, setup):
     devices = list(setup.mesh.devices.flat)
     global_batch = cfg.train.per_device_batch_size * len(devices)
-    summary = {"params_total": setup.params_total(), "state_bytes_per_device": setup.state_bytes_per_device(),
+    summary = {"params_total": setup.params_total(), "params_active": setup.model_config.active_params(),
+               "state_bytes_per_device": setup.state_bytes_per_device(),
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
                "devices": len(devices), "device_kind": devices[0].device_kind, "global_batch": global_batch,
                "model_flops_per_step": train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)}
@@ -142,7 +143,9 @@ def describe_setup(cfg, setup):
     if copies:  # what the released checkpoint counts, e.g. DeepSeek-V3's 685B
         summary["params_as_released"] = summary["params_total"] + copies
     released = f" ({_count(summary['params_as_released'])} as released)" if copies else ""
-    _say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters{released}; params + optimizer state "
+    active = "" if summary["params_active"] >= summary["params_total"] else \
+        f", {_count(summary['params_active'])} active per token"
+    _say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters{released}{active}; params + optimizer state "
          f"{_human(summary['state_bytes_per_device'], 'B')} per device "
          f"({_human(summary['state_host_bytes_per_device'], 'B')} of it in pinned host memory) on "
          f"{len(devices)} x {devices[0].device_kind} (mesh {mesh_describe(setup.mesh)}); "

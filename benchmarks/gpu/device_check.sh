@@ -3,7 +3,9 @@
 # tensorboard present, ml-collections carried as a wheel in .whl/). Ordered so a failure costs little:
 # versions, a 3-step smoke run with a host-offloaded tensor, then benchmarks/gpu/offload_check.py (remat vs
 # offload: losses, host memory, overlap, the parity gate), then the XLA-preset sweep
-# (benchmarks/offload_sweep.py: remat, offload, +LHS, +pipelined, auto) on the same model.
+# (benchmarks/offload_sweep.py: remat, offload, +LHS, +pipelined, auto) on the same model, then each of the sweep's
+# variants predicted from its deviceless compile for the H200 beside its measured step time
+# (benchmarks/predict_vs_measured.py: the table, ratios, ranks and the calibration fitted to these points).
 # CHECK_OVERRIDES: extra overrides for both (e.g. a tiny model to try the script on a CPU).
 # Writes at most 8 files to $OUT (the device tool's limit).
 set -u
@@ -37,5 +39,9 @@ MODEL=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.gpu.off
 timeout 260 python3 benchmarks/offload_sweep.py $MODEL ${CHECK_OVERRIDES:-} --output_dir $WORK/sweep --steps 5
 sweep=$?
 cp $WORK/sweep/offload_sweep.csv $WORK/sweep/offload_sweep.png "$OUT/" 2>/dev/null
-echo "== exit: offload_check $check, sweep $sweep"
-exit $(( check || sweep ))
+echo "== predicted (compiled timelines) vs measured"
+timeout 240 python3 benchmarks/predict_vs_measured.py --measured $WORK/sweep/offload_sweep.csv --output_dir $WORK/predict
+predicted=$?
+cp $WORK/predict/predict_vs_measured.md "$OUT/" 2>/dev/null
+echo "== exit: offload_check $check, sweep $sweep, predicted $predicted"
+exit $(( check || sweep || predicted ))
