@@ -12,11 +12,12 @@ The engines, each its own queue (seconds):
               link's achievable rate. An async transfer (start ... done) queues behind the earlier ones of its
               direction when its start is reached; its done stalls compute until it has finished. A synchronous one
               stalls compute for all of it.
-  collective  all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute at the bandwidth of their
-              replica groups' link: NVLink inside an NVLink domain (hardware.nvlink_domain GPUs of a slice), the
-              network across; ring factors (n - 1) / n (all-gather of its output, reduce-scatter and all-to-all of
-              their input), 2 (n - 1) / n for all-reduce, 1 for a permute. Async ones (start ... done) run beside
-              compute, synchronous ones stall it.
+  collective  all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute over their replica
+              groups' links: NVLink inside an NVLink domain (hardware.nvlink_domain GPUs of a slice), the network
+              across. Of the gathered output (all-gather) or the input (reduce-scatter, all-to-all; twice for
+              all-reduce) a device moves (n - 1) / n: the share of members in other domains over the network, the
+              rest over NVLink, both at once (hierarchical). A permute moves its operand. Async ones (start ...
+              done) run beside compute, synchronous ones stall it.
 What a stall waits for is exposed time: step = compute + exposed copy + exposed collective time (+ what is still in
 flight when the last instruction ends). Each event keeps its instruction's name, its op name's models/components
 part and its layer segment (layers_A_B), so the figures split per segment and the trace reads beside a profile.
@@ -93,10 +94,12 @@ class Event:
 
 
 class Simulation:
-    def __init__(self, module, rates, devices=1, work=None):
+    def __init__(self, module, rates, devices=1, work=None, domains=None):
         """`work`: {(computation, instruction): (FLOPs, bytes)} shared by simulations of the same module (the
-        kernels' work does not depend on the rates)."""
+        kernels' work does not depend on the rates); `domains`: the NVLink domain of each device of the program's
+        device assignment (replica-group ids index it; default: consecutive blocks of rates.domain)."""
         self.module, self.rates, self.devices = module, rates, devices
+        self.domains = domains
         self.counter = audit.Counter(module)
         self.work = {} if work is None else work
         self.clock = 0.0  # the compute stream
@@ -225,19 +228,27 @@ class Simulation:
         result_bytes = hlo.nbytes(result if result is not None else ins.shape)
         groups = replica_groups(carrier.attributes, self.devices)
         n = max((len(g) for g in groups), default=1)
+        if n < 2:
+            return self.queue(COLLECTIVE, ins, 0.0, 0.0)
+        # members of the largest group outside the first member's NVLink domain
+        group = max(groups, key=len)
+        remote = sum(1 for d in group if self.domain_of(d) != self.domain_of(group[0]))
         if kind == "collective-permute":
-            moved, n = operand_bytes, 2 if groups else 1
-        elif kind == "all-gather":
-            moved = result_bytes * (n - 1) / n
-        elif kind == "all-reduce":
-            moved = operand_bytes * 2 * (n - 1) / n
-        else:
-            moved = operand_bytes * (n - 1) / n
-        domains = {d // self.rates.domain for g in groups for d in g}
-        crosses = any(len({d // self.rates.domain for d in g}) > 1 for g in groups)
-        bandwidth = self.rates.network if crosses else self.rates.nvlink
-        seconds = moved / bandwidth if n > 1 and domains else 0.0
-        return self.queue(COLLECTIVE, ins, seconds, moved)
+            crosses = any(self.domain_of(a) != self.domain_of(b) for a, b in groups) if \
+                all(len(g) == 2 for g in groups) else bool(remote)
+            moved = operand_bytes
+            seconds = moved / (self.rates.network if crosses else self.rates.nvlink)
+            return self.queue(COLLECTIVE, ins, seconds, moved)
+        size = result_bytes if kind == "all-gather" else operand_bytes
+        rounds = 2 if kind == "all-reduce" else 1
+        # hierarchically: the share from (or for) other domains over the network, the rest over NVLink, the two
+        # at once (a flat ring across domains would be slower still: each of its links carries (n - 1) / n)
+        inter, intra = rounds * size * remote / n, rounds * size * (n - remote - 1) / n
+        seconds = max(inter / self.rates.network, intra / self.rates.nvlink)
+        return self.queue(COLLECTIVE, ins, seconds, inter + intra)
+
+    def domain_of(self, device):
+        return self.domains[device] if self.domains else device // self.rates.domain
 
     def host_transfer(self, ins, computation, result):
         """(direction, bytes) when `ins` moves data between the device and pinned host memory, else None: into a
@@ -353,11 +364,11 @@ def kernel_bytes(module, computation, ins):
     return moved
 
 
-def simulate(text, rates, devices=1, model_flops_per_device=None, work=None):
+def simulate(text, rates, devices=1, model_flops_per_device=None, work=None, domains=None):
     """The predicted timeline of a compiled step (its optimized HLO text, or a parsed hlo.Module) on `rates`:
-    (report dict, Simulation with its events). `work`: see Simulation."""
+    (report dict, Simulation with its events). `work`, `domains`: see Simulation."""
     module = hlo.parse(text) if isinstance(text, str) else text
-    sim = Simulation(module, rates, devices, work)
+    sim = Simulation(module, rates, devices, work, domains)
     sim.run(module.entry)
     step = sim.finish()
     return summarize(sim, step, model_flops_per_device), sim
@@ -403,7 +414,9 @@ def summarize(sim, step, model_flops_per_device=None):
 def of_compiled(compiled, setup, rates):
     """(report, Simulation) of a TrainSetup's compiled step (a jax Compiled, or its parsed hlo.Module)."""
     module = compiled if isinstance(compiled, hlo.Module) else hlo.parse(compiled.as_text())
-    return simulate(module, rates, setup.mesh.size, sum(audit.model_flops_per_device(setup).values()))
+    domains = [d.id // rates.domain for d in setup.mesh.devices.flat]  # the device assignment's order
+    return simulate(module, rates, setup.mesh.size, sum(audit.model_flops_per_device(setup).values()),
+                    domains=domains)
 
 
 def format_report(r):

@@ -60,7 +60,8 @@ if target:
     predicted = timeline.of_compiled(compiled, setup, timeline.Rates.of(hardware.ACCELERATORS[target], topology))[0]
     row.update(mode="deviceless", hbm_gib=hbm / 2**30, host_gib=host / 2**30, measured=False,
                tflops_per_device=predicted["model_tflops_per_device"], step_s=predicted["step_s"],
-               exposed_copy_s=predicted["exposed_copy_s"], xla_preset=plan.xla_preset)
+               exposed_copy_s=predicted["exposed_copy_s"], exposed_collective_s=predicted["exposed_collective_s"],
+               xla_preset=plan.xla_preset)
 else:
     import jax
     from MaxOffload.parallel import logical
@@ -110,7 +111,9 @@ def variant_argv(argv, name):
         cfg = load(argv)
         extra += [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
         if policy == "full":  # the config's layer groups recompute everything too (auto replaces them itself)
-            extra += [f"remat.groups.{g}.policy=full" for g in cfg.remat.groups]
+            for g, group in cfg.remat.groups.items():
+                extra += [f"remat.groups.{g}.policy=full"] + [f"remat.groups.{g}.tensors.{n}=" for n, v in
+                                                               group.tensors.items() if v]
     return argv + extra + [f"xla.preset={preset}"]
 
 
@@ -165,19 +168,20 @@ def format_table(rows, target):
     kind = "predicted (the compiled timelines), memory from the deviceless compile" if target else "measured"
     lines = [f"TFLOP/s per device: {kind}",
              f"  {'variant':<24} {'TFLOP/s/dev':>12} {'vs remat':>9} {'step':>10} {'HBM GiB':>9} {'host GiB':>9}"
-             + (f" {'exposed copy':>12}  xla.preset" if target else "")]
+             + (f" {'exposed copy':>12} {'exposed coll.':>13}  xla.preset" if target else "")]
     for r in rows:
         if "error" in r:
             lines.append(f"  {r['variant']:<24} failed: {r['error']}")
             continue
-        exposed = f" {r['exposed_copy_s'] * 1e3:>10.1f}ms  {r['xla_preset']}" if "exposed_copy_s" in r else ""
+        exposed = (f" {r['exposed_copy_s'] * 1e3:>10.1f}ms {r['exposed_collective_s'] * 1e3:>11.1f}ms  {r['xla_preset']}"
+                   if "exposed_copy_s" in r else "")
         lines.append(f"  {r['variant']:<24} {r['tflops_per_device']:>12,.3f} {r.get('speedup_vs_remat', 0):>8.2f}x "
                      f"{r['step_s'] * 1e3:>8.1f}ms {r['hbm_gib']:>9.2f} {r['host_gib']:>9.2f}{exposed}")
     return "\n".join(lines)
 
 
 FIELDS = ["variant", "policy", "mode", "measured", "step_s", "tflops_per_device", "speedup_vs_remat", "hbm_gib",
-          "host_gib", "exposed_copy_s", "xla_preset", "error"]
+          "host_gib", "exposed_copy_s", "exposed_collective_s", "xla_preset", "error"]
 
 
 def write_csv(rows, path):
