@@ -64,18 +64,15 @@ if target:
                xla_preset=plan.xla_preset)
 else:
     import jax
-    from MaxOffload.parallel import logical
     setup = resolve.train_setup(cfg, plan=planner.resolve(cfg, log=lambda *a: None))
     state = setup.init_state()
     batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
-    step = setup.jitted_train_step()
-    with logical.activate(setup.mesh, setup.rules):
-        compiled = step.lower(state, batch).compile()
-        state, m = step(state, batch); jax.block_until_ready(m)
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter(); state, m = step(state, batch); jax.block_until_ready(m)
-            times.append(time.perf_counter() - t)
+    step = compiled = setup.compile_train_step()  # with the plan's XLA preset
+    state, m = step(state, batch); jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter(); state, m = step(state, batch); jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
     step_s = sorted(times)[len(times) // 2]
     n = setup.mesh.size
     f = flops.train_flops_per_step(models.model_config(cfg), cfg.train.per_device_batch_size * n, cfg.train.seq_len)

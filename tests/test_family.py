@@ -20,11 +20,11 @@ from MaxOffload import models, resolve
 from MaxOffload.config import ConfigError, load
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models.base import FromConfig
+from MaxOffload.models import components, matmul
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, Attention, param, rope_inv_freq
 from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, planner
-from MaxOffload.parallel.logical import constrain
 
 FIELDS = {
     "num_kv_heads": (4, "toy: key/value heads"),
@@ -87,13 +87,14 @@ class LayerNorm(nnx.Module):
 
 
 class ToyLayer(nnx.Module):
-    def __init__(self, c, *, rngs):
-        pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
-        self.activation, self.cdt = c.mlp_activation, cdt
+    def __init__(self, c, *, rngs, layout, numerics):
+        pdt = jnp.dtype(c.param_dtype)
+        self.activation, self.layout, self.numerics = c.mlp_activation, layout, numerics
         self.attention_norm = LayerNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, inv_freq=rope_inv_freq(c.head_dim, c.rope_theta),
-                                   param_dtype=pdt, compute_dtype=cdt, init_std=c.init_std, rngs=rngs)
+                                   param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs,
+                                   layout=layout)
         self.mlp_norm = LayerNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.wi = param(rngs, (c.emb_dim, c.mlp_dim), ("embed", "mlp"), pdt, c.init_std)
         self.wo = param(rngs, (c.mlp_dim, c.emb_dim), ("mlp", "embed"), pdt, c.init_std)
@@ -101,15 +102,16 @@ class ToyLayer(nnx.Module):
     def __call__(self, x, positions):
         x = names.tag(x, names.DECODER_LAYER_INPUT)
         x = x + self.attention(self.attention_norm(x), positions)
-        hidden = names.tag(self.mlp_norm(x) @ self.wi[...].astype(self.cdt), names.MLPWI)
-        out = ACTIVATIONS[self.activation](hidden) @ self.wo[...].astype(self.cdt)
-        return x + names.tag(constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
+        mlp = lambda a, w: matmul.dense(a, w[...], None, components.MLP, self.numerics)  # noqa: E731
+        hidden = names.tag(mlp(self.mlp_norm(x), self.wi), names.MLPWI)
+        out = mlp(ACTIVATIONS[self.activation](hidden), self.wo)
+        return x + names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
 
 
 class Toy(SingleStackDecoder):
     @staticmethod
-    def make_layer(c, rngs):
-        return ToyLayer(c, rngs=rngs)
+    def make_layer(c, rngs, layout, numerics):
+        return ToyLayer(c, rngs=rngs, layout=layout, numerics=numerics)
 
 
 @pytest.fixture

@@ -498,8 +498,8 @@ def test_kernel_choices_resolve_per_platform():
     tokamax's implementation for the platform; a resolved name stays as it is (TrainSetup resolves once)."""
     from MaxOffload.models import kernels
 
-    assert [kernels.resolve_attention(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("flash", "cpu"),
+    assert [kernels.attention_for(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("flash", "cpu"),
                                                            ("xla", "gpu"), ("flash:triton", "cpu"))] == [
         "flash:triton", "xla", "flash:xla_chunked", "xla", "flash:triton"]
-    assert [kernels.resolve(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("tokamax", "cpu"))] == [
+    assert [kernels.grouped_gemm_for(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("tokamax", "cpu"))] == [
         "tokamax:triton", "xla", "tokamax:xla"]

@@ -86,6 +86,8 @@ SCHEMA = {
                           "over") for axis in MESH_AXES},
         "rules": {axis: (list(mesh_axes), f"mesh axes that shard the logical axis {axis!r}")
                   for axis, mesh_axes in DEFAULT_RULES.items()},
+        "exchange": ("all_gather", "how MoE layers' routed tokens reach their experts' devices (models/exchange.py): "
+                                   "all_gather (tokens gathered over the expert axes, outputs reduce-scattered back)"),
     },
     "distributed": {
         "coordinator_address": ("", "host:port of process 0; empty = auto (Slurm) or single process"),

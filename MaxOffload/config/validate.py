@@ -129,6 +129,9 @@ def validate(cfg):
         for mesh_axis in mesh_axes:
             _require(mesh_axis in MESH_AXES, f"mesh.rules.{axis}: {mesh_axis!r} is not a mesh axis "
                                              f"({', '.join(MESH_AXES)}){suggest(str(mesh_axis), MESH_AXES)}")
+    from MaxOffload.models.exchange import EXCHANGES
+
+    _choice("mesh.exchange", cfg.mesh.exchange, tuple(EXCHANGES))
     from MaxOffload import hardware, xla
 
     _choice("xla.preset", cfg.xla.preset, tuple(xla.PRESETS))

@@ -4,7 +4,9 @@ A family is
   - a frozen config dataclass (models/base.FromConfig): its fields, `validate()` (the family's own checks,
     one ConfigError line each), `layer_groups()` (its separately scanned stacks) and the planner's cost
     table (`contractions`, `matmul_params_per_token`, `attention_dims`);
-  - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, experts=);
+  - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, layout=, numerics=):
+    the parallel layout (parallel/layout.py: mesh, rules, expert exchange) and the weight matmuls' numerics
+    (models/matmul.Numerics) are handed to it, never read from anywhere else;
   - `fields`: its own cfg.model keys {key: (default, meaning)} (the keys every family shares are in
     config/defaults.py), joined to the config schema by `register`;
   - `hf`: its weights in the Hugging Face layout (models/hf.HFFormat), which MaxOffload/convert reads and
@@ -94,11 +96,14 @@ def by_architecture(architecture):
     return next((f for f in FAMILIES.values() if f.hf and architecture in f.hf.architectures), None)
 
 
-def build(config, plan, rngs, experts=None):
-    """The model for a model configuration under an OffloadPlan (MaxOffload/resolve.py makes both); `experts`:
-    the parallel/expert.ExpertLayout its MoE layers exchange tokens over (None: every expert local)."""
+def build(config, plan, rngs, layout=None, numerics=None):
+    """The model for a model configuration under an OffloadPlan (MaxOffload/resolve.py makes both), built for a
+    parallel layout (parallel/layout.ParallelLayout; None: no mesh, every placement a no-op) and a numerics
+    policy (models/matmul.Numerics; None: bf16 in the configured compute dtype)."""
+    from MaxOffload.parallel.layout import NONE
+
     return family_of(config).model_class(config, remat_segments=plan.by_stack(), params_on_host=plan.params_on_host,
-                                         rngs=rngs, experts=experts)
+                                         rngs=rngs, layout=layout or NONE, numerics=numerics)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,14 +26,14 @@ import numpy as np
 from flax import nnx
 
 from MaxOffload.errors import require, require_choice
-from MaxOffload.models import components, kernels
+from MaxOffload.models import components, kernels, matmul, routing
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
 from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
-from MaxOffload.models.moe import MoE, RouterBias, updated_bias
+from MaxOffload.models.moe import MoE
 from MaxOffload.offload import names
-from MaxOffload.parallel.logical import constrain
+from MaxOffload.parallel.layout import NONE
 
 # The family's own cfg.model keys (the shared ones are in config/defaults.py).
 FIELDS = {
@@ -60,6 +60,8 @@ FIELDS = {
     "n_groups": (1, "deepseek: expert groups for group-limited routing (1 = no grouping)"),
     "topk_groups": (1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores"),
     "routed_scaling_factor": (1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by this"),
+    "router": ("deepseek", "deepseek: the MoE router (models/routing.ROUTERS): deepseek (sigmoid scores, group-"
+                           "limited top-k on scores + a balancing bias) | softmax (softmax top-k, renormalised gates)"),
     "router_bias_update_rate": (0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each step "
                                        "bias += gamma * sign(mean load - load)"),
     "seq_balance_loss_weight": (0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)"),
@@ -126,6 +128,7 @@ class DeepSeekConfig(FromConfig):
     n_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    router: str = "deepseek"
     router_bias_update_rate: float = 0.001
     seq_balance_loss_weight: float = 0.0
     capacity_factor: float = 0.0
@@ -176,6 +179,7 @@ class DeepSeekConfig(FromConfig):
         self.require_non_negative("num_shared_experts", "router_bias_update_rate", "seq_balance_loss_weight",
                                   "capacity_factor", "moe_buffer_factor", "mtp_depth", "mtp_loss_weight")
         require_choice("model.moe_kernel", self.moe_kernel, kernels.GROUPED_GEMM)
+        require_choice("model.router", self.router, tuple(routing.ROUTERS))
         require(not (self.capacity_factor and self.moe_buffer_factor),
                 "model.moe_buffer_factor bounds dropless mode's rows; with model.capacity_factor set, the capacity "
                 "bounds them: set one of the two")
@@ -271,10 +275,11 @@ class MLA(nnx.Module):
     plus a RoPE key part (qk_rope_head_dim) also shared by all heads (decoupled RoPE)."""
 
     def __init__(self, *, emb_dim, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-                 v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, compute_dtype,
-                 init_std, rngs, attention="auto"):
+                 v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, numerics,
+                 init_std, rngs, attention="auto", layout=NONE):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
-        self.rope_amplitude, self.softmax_scale, self.compute_dtype = rope_amplitude, softmax_scale, compute_dtype
+        self.rope_amplitude, self.softmax_scale, self.numerics = rope_amplitude, softmax_scale, numerics
+        self.layout = layout
         self.attention_choice = attention
         self.nope, self.kv_lora_rank = qk_nope_head_dim, kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
@@ -297,20 +302,21 @@ class MLA(nnx.Module):
 
     @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
-        cdt, nope = self.compute_dtype, self.nope
-        q_latent = names.tag(x @ self.wq_a[...].astype(cdt), names.QUERY_WA_PROJ)
+        nope = self.nope
+        project = lambda spec, a, w: matmul.dense(a, w[...], spec, components.PROJECTIONS, self.numerics)  # noqa: E731
+        q_latent = names.tag(project(None, x, self.wq_a), names.QUERY_WA_PROJ)
         q_latent = names.tag(self.q_norm(q_latent), names.MLA_Q)
-        q = names.tag(jnp.einsum("blr,rhd->blhd", q_latent, self.wq_b[...].astype(cdt)), names.QUERY_PROJ)
-        kv = names.tag(x @ self.wkv_a[...].astype(cdt), names.KV_WA_PROJ)
+        q = names.tag(project("blr,rhd->blhd", q_latent, self.wq_b), names.QUERY_PROJ)
+        kv = names.tag(project(None, x, self.wkv_a), names.KV_WA_PROJ)
         kv_latent = names.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
-        k_nope = names.tag(jnp.einsum("blr,rhd->blhd", kv_latent, self.wk_b[...].astype(cdt)), names.KEY_PROJ)
-        v = names.tag(jnp.einsum("blr,rhd->blhd", kv_latent, self.wv_b[...].astype(cdt)), names.VALUE_PROJ)
+        k_nope = names.tag(project("blr,rhd->blhd", kv_latent, self.wk_b), names.KEY_PROJ)
+        v = names.tag(project("blr,rhd->blhd", kv_latent, self.wv_b), names.VALUE_PROJ)
         k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        out = names.tag(attention(q, k, v, self.softmax_scale, self.attention_choice), names.ATTENTION_OUT)
-        out = jnp.einsum("blhd,hde->ble", out, self.wo[...].astype(cdt))
-        return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+        out = names.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout), names.ATTENTION_OUT)
+        out = project("blhd,hde->ble", out, self.wo)
+        return names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,10 +326,11 @@ class MLA(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm MLA + (SwiGLU | MoE). An MoE layer returns (x, MoE statistics)."""
 
-    def __init__(self, c: DeepSeekConfig, *, moe, rngs, experts=None):
-        pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
+    def __init__(self, c: DeepSeekConfig, *, moe, rngs, layout=NONE, numerics=None):
+        pdt = jnp.dtype(c.param_dtype)
         inv_freq, amplitude, softmax_scale = rope_setup(c)
-        common = dict(param_dtype=pdt, compute_dtype=cdt, init_std=c.init_std, rngs=rngs)
+        numerics = numerics or matmul.Numerics(c.compute_dtype)
+        common = dict(param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs, layout=layout)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = MLA(emb_dim=c.emb_dim, num_heads=c.num_heads, q_lora_rank=c.q_lora_rank,
                              kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
@@ -332,11 +339,10 @@ class DecoderLayer(nnx.Module):
                              attention=c.attention, **common)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         if moe:
-            self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
-                           mlp_dim=c.moe_mlp_dim, num_shared=c.num_shared_experts, n_groups=c.n_groups,
-                           topk_groups=c.topk_groups, scaling=c.routed_scaling_factor,
-                           capacity_factor=c.capacity_factor, experts=experts, kernel=c.moe_kernel,
-                           buffer_factor=c.moe_buffer_factor, **common)
+            self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, mlp_dim=c.moe_mlp_dim,
+                           num_shared=c.num_shared_experts, router=routing.ROUTERS[c.router].of(c),
+                           capacity_factor=c.capacity_factor, kernel=c.moe_kernel, buffer_factor=c.moe_buffer_factor,
+                           **common)
         else:
             self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, **common)
 
@@ -355,20 +361,21 @@ class MTPLayer(nnx.Module):
     block and its own norm before the shared output head (Hugging Face: enorm, hnorm, eh_proj, the block,
     shared_head.norm). Returns (the normalised hidden state, {"hidden": the same, MoE statistics})."""
 
-    def __init__(self, c: DeepSeekConfig, *, rngs, experts=None):
+    def __init__(self, c: DeepSeekConfig, *, rngs, layout=NONE, numerics=None):
         pdt = jnp.dtype(c.param_dtype)
-        self.compute_dtype = jnp.dtype(c.compute_dtype)
+        self.numerics, self.layout = numerics or matmul.Numerics(c.compute_dtype), layout
         self.enorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.hnorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         # [embedding; hidden] -> emb_dim (a mesh axis shards only the first of the two "embed" axes)
         self.eh_proj = param(rngs, (2 * c.emb_dim, c.emb_dim), ("embed", "embed"), pdt, c.init_std)
-        self.block = DecoderLayer(c, moe=c.mtp_moe, rngs=rngs, experts=experts)
+        self.block = DecoderLayer(c, moe=c.mtp_moe, rngs=rngs, layout=layout, numerics=numerics)
         self.head_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
 
     def __call__(self, h, positions, next_embeds):
         with jax.named_scope(components.PROJECTIONS):
             joined = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h)], axis=-1)
-            x = constrain(joined @ self.eh_proj[...].astype(self.compute_dtype), BATCH_LENGTH_EMBED)
+            x = matmul.dense(joined, self.eh_proj[...], None, components.PROJECTIONS, self.numerics)
+            x = self.layout.constrain(x, BATCH_LENGTH_EMBED)
         out = self.block(x, positions)
         x, stats = out if isinstance(out, tuple) else (out, {})
         normed = self.head_norm(x)
@@ -376,19 +383,23 @@ class MTPLayer(nnx.Module):
 
 
 class DeepSeek(DecoderModel):
-    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, experts=None):
-        """experts: the parallel/expert.ExpertLayout of the MoE layers' exchange (None: every expert local)."""
+    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, layout=NONE, numerics=None):
+        """layout: the parallel/layout.ParallelLayout the model is built for; numerics: its weight matmuls' policy
+        (models/matmul.Numerics; default: bf16 in the configured compute dtype)."""
         self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())
         self.mtp_segments = remat_segments.get("mtp", ())
-        self.init_embeddings(c, params_on_host, rngs)
+        self.init_embeddings(c, params_on_host, rngs, layout, numerics)
+        self.router_kind = routing.ROUTERS[c.router].of(c)
+        kind = dict(layout=layout, numerics=self.numerics)
         if c.first_k_dense:
-            self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r), c.first_k_dense, rngs)
+            self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r, **kind), c.first_k_dense,
+                                               rngs)
         if c.num_moe_layers:
-            self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r, experts=experts),
-                                             c.num_moe_layers, rngs)
+            self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r, **kind), c.num_moe_layers,
+                                             rngs)
         self.init_head(c, rngs)
         if c.mtp_depth:  # created last: the main model's parameters are the same with and without MTP
-            self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, experts=experts), c.mtp_depth, rngs)
+            self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, **kind), c.mtp_depth, rngs)
 
     def __call__(self, tokens):
         """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux).
@@ -410,7 +421,8 @@ class DeepSeek(DecoderModel):
         aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
         if c.mtp_depth:
             ahead = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, c.mtp_depth + 1)])
-            next_embeds = constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype), (None, *BATCH_LENGTH_EMBED))
+            next_embeds = self.layout.constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype),
+                                                (None, *BATCH_LENGTH_EMBED))
             _, mtp = run_layers(self.mtp_layers, normed, positions, self.mtp_segments, c.scan_layers, host,
                                 with_outputs=True, per_layer=next_embeds)
             aux["mtp_logits"] = self.unembed_normed(mtp.pop("hidden"), embed)
@@ -422,35 +434,32 @@ class DeepSeek(DecoderModel):
         return self.unembed_normed(normed, embed), aux
 
     def _moe_aux(self, stacks):
-        """Balance loss, the biases' update and expert-load metrics from the MoE stacks' statistics (each
-        [layers of the stack, ...]; the main MoE layers, then the MTP blocks). max_load = busiest expert's
-        choices / mean choices per expert."""
-        c = self.config
+        """Balance loss, the router state's update (DeepSeek-V3: the biases) and expert-load metrics from the MoE
+        stacks' statistics (each [layers of the stack, ...]; the main MoE layers, then the MTP blocks), the router's
+        own metrics beside them. max_load = busiest expert's choices / mean choices per expert."""
+        c, router = self.config, self.router_kind
         # the same structure as the model's non-Param variables (TrainSetup's model_state), updated per stack
-        model_state = nnx.to_pure_dict(nnx.state(self, RouterBias))
-        biases = []
+        model_state = nnx.to_pure_dict(nnx.state(self, nnx.Not(nnx.Param)))
+        own = []
         for path, s, _ in stacks:
-            module = functools.reduce(lambda tree, key: tree[key], path, model_state)
-            module["router_bias"] = jax.lax.stop_gradient(updated_bias(module["router_bias"], s["load"],
-                                                                       c.router_bias_update_rate))
-            biases.append(module["router_bias"])
+            module = functools.reduce(lambda tree, key: tree.get(key, {}), path, model_state)  # {}: no router state
+            state = {name: module[name] for name in router.state}
+            module.update(router.next_state(state, s["load"]))
+            own.append(router.metrics(s, {name: module[name] for name in router.state}))
         joined = lambda key: jnp.concatenate([s[key] for _, s, _ in stacks])  # noqa: E731
-        load, dropped_choices, bias = joined("load"), joined("dropped"), jnp.concatenate(biases)
+        load, dropped_choices = joined("load"), joined("dropped")
         layers = [layer for _, _, indices in stacks for layer in indices]
         max_load = load.max(-1) / load.mean(-1)
-        bias_range = bias.max(-1) - bias.min(-1)
         dropped = dropped_choices / load.sum(-1)
-        metrics = {"moe/max_load": max_load.max(), "moe/mean_max_load": max_load.mean(),
-                   "moe/mean_bias_range": bias_range.mean()}
+        per_layer = {"max_load": max_load, **{k: jnp.concatenate([m[k] for m in own]) for k in own[0]}}
+        metrics = {"moe/max_load": max_load.max(), **{f"moe/mean_{k}": v.mean() for k, v in per_layer.items()}}
         if c.capacity_factor or c.moe_buffer_factor:
             metrics["moe/dropped_fraction"] = dropped_choices.sum() / load.sum()
+            per_layer["dropped_fraction"] = dropped
+        balance = joined("balance") if "balance" in stacks[0][1] else jnp.zeros((1,))
         if c.seq_balance_loss_weight:
-            metrics["moe/balance_loss"] = joined("balance").mean()
+            metrics["moe/balance_loss"] = balance.mean()
         if len(layers) <= PER_LAYER_METRICS_UP_TO:
             for i, layer in enumerate(layers):
-                metrics[f"moe/max_load_layer{layer}"] = max_load[i]
-                metrics[f"moe/bias_range_layer{layer}"] = bias_range[i]
-                if c.capacity_factor or c.moe_buffer_factor:
-                    metrics[f"moe/dropped_fraction_layer{layer}"] = dropped[i]
-        return {"aux_loss": c.seq_balance_loss_weight * joined("balance").sum(), "metrics": metrics,
-                "model_state": model_state}
+                metrics.update({f"moe/{k}_layer{layer}": v[i] for k, v in per_layer.items()})
+        return {"aux_loss": c.seq_balance_loss_weight * balance.sum(), "metrics": metrics, "model_state": model_state}

@@ -42,7 +42,7 @@ def platform(device):
     return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
 
 
-def _resolve(choice, on, library, implementations):
+def _choose(choice, on, library, implementations):
     """`auto`: `library` on GPUs, 'xla' elsewhere; `library` -> '<library>:<its implementation for platform on>'."""
     if choice == "auto":
         choice = library if on == "gpu" else "xla"
@@ -51,27 +51,27 @@ def _resolve(choice, on, library, implementations):
     return choice  # 'xla', or already resolved
 
 
-def resolve(choice, on):
+def grouped_gemm_for(choice, on):
     """The grouped-GEMM kernel ('xla' | 'tokamax:<implementation>') for `model.moe_kernel=choice` on devices of
     platform `on`."""
-    return _resolve(choice, on, "tokamax", TOKAMAX_IMPLEMENTATION)
+    return _choose(choice, on, "tokamax", TOKAMAX_IMPLEMENTATION)
 
 
-def resolve_attention(choice, on):
+def attention_for(choice, on):
     """The attention kernel ('xla' | 'flash:<tokamax implementation>') for `model.attention=choice` on devices of
     platform `on`."""
-    return _resolve(choice, on, "flash", FLASH_IMPLEMENTATION)
+    return _choose(choice, on, "flash", FLASH_IMPLEMENTATION)
 
 
-def resolved(config, on):
+def for_platform(config, on):
     """A model configuration with its kernel choices (`attention`, `moe_kernel` where the family has them)
-    resolved for devices of platform `on`: TrainSetup calls it with its mesh's devices (the models never read
+    made for devices of platform `on`: TrainSetup calls it with its mesh's devices (the models never read
     the mesh)."""
     changes = {}
     if hasattr(config, "attention"):
-        changes["attention"] = resolve_attention(config.attention, on)
+        changes["attention"] = attention_for(config.attention, on)
     if hasattr(config, "moe_kernel"):
-        changes["moe_kernel"] = resolve(config.moe_kernel, on)
+        changes["moe_kernel"] = grouped_gemm_for(config.moe_kernel, on)
     return dataclasses.replace(config, **changes)
 
 
@@ -106,7 +106,7 @@ def _import_tokamax():
 
 def ragged_dot(lhs, rhs, group_sizes, kernel):
     """lhs [R, K] x rhs [E, K, N] -> [R, N]: row r times the group whose `group_sizes` [E] span holds it; rows
-    past sum(group_sizes) give zeros. `kernel`: from resolve()."""
+    past sum(group_sizes) give zeros. `kernel`: from grouped_gemm_for()."""
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     out = _import_tokamax().ragged_dot(lhs, rhs, group_sizes, implementation=kernel.split(":", 1)[1])
@@ -118,7 +118,7 @@ def ragged_dot(lhs, rhs, group_sizes, kernel):
 
 def flash_attention(q, k, v, scale, kernel, q_sharding=None):
     """Causal attention by tokamax: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads, dv] ->
-    [b, l, heads, dv]. `kernel`: from resolve_attention; `q_sharding`: q's NamedSharding, so that the kernel runs
+    [b, l, heads, dv]. `kernel`: from attention_for; `q_sharding`: q's NamedSharding, so that the kernel runs
     per shard (tokamax's shard_map: batch and heads split, a split sequence sees all keys)."""
     return _import_tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True, q_sharding=q_sharding,
                                                    implementation=kernel.split(":", 1)[1])

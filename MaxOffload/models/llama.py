@@ -93,17 +93,17 @@ class LlamaConfig(FromConfig):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, c: LlamaConfig, *, rngs):
-        pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
+    def __init__(self, c: LlamaConfig, *, rngs, layout, numerics):
+        pdt = jnp.dtype(c.param_dtype)
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
                                  c.rope_high_freq_factor, c.rope_original_max_len)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                   head_dim=c.head_dim, inv_freq=inv_freq, param_dtype=pdt, compute_dtype=cdt,
-                                   init_std=c.init_std, rngs=rngs, attention=c.attention)
+                                   head_dim=c.head_dim, inv_freq=inv_freq, param_dtype=pdt, numerics=numerics,
+                                   init_std=c.init_std, rngs=rngs, attention=c.attention, layout=layout)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
-        self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, param_dtype=pdt, compute_dtype=cdt,
-                          init_std=c.init_std, rngs=rngs)
+        self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, param_dtype=pdt, numerics=numerics,
+                          init_std=c.init_std, rngs=rngs, layout=layout)
 
     def __call__(self, x, positions):
         x = names.tag(x, names.DECODER_LAYER_INPUT)
@@ -113,5 +113,5 @@ class DecoderLayer(nnx.Module):
 
 class Llama(SingleStackDecoder):
     @staticmethod
-    def make_layer(c: LlamaConfig, rngs):
-        return DecoderLayer(c, rngs=rngs)
+    def make_layer(c: LlamaConfig, rngs, layout, numerics):
+        return DecoderLayer(c, rngs=rngs, layout=layout, numerics=numerics)

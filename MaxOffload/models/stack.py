@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxOffload.models import components
+from MaxOffload.models import components, matmul
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
-from MaxOffload.parallel.logical import constrain
+from MaxOffload.parallel.layout import NONE
 
 
 def stacked_layers(make_layer, num_layers, rngs):
@@ -87,9 +87,12 @@ class DecoderModel(nnx.Module):
     before building its layers and init_head after (parameter creation order fixes the random init), and its
     __call__ runs its layers between embed_tokens and logits."""
 
-    def init_embeddings(self, c, params_on_host, rngs):
+    def init_embeddings(self, c, params_on_host, rngs, layout=NONE, numerics=None):
+        """layout: the parallel/layout.ParallelLayout the model is built for; numerics: the weight matmuls' policy
+        (models/matmul.Numerics; default: bf16 in the configured compute dtype)."""
         self.config = c
-        self.params_on_host = params_on_host
+        self.params_on_host, self.layout = params_on_host, layout
+        self.numerics = numerics or matmul.Numerics(c.compute_dtype)
         self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), jnp.dtype(c.param_dtype), c.init_std)
 
     def init_head(self, c, rngs):
@@ -104,7 +107,7 @@ class DecoderModel(nnx.Module):
         cdt = jnp.dtype(self.config.compute_dtype)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         embed = to_device(self.embed[...], self.params_on_host)
-        return constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
+        return self.layout.constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
 
     def logits(self, x, embed):
         """The final norm and the unembedding: logits [batch, length, vocab] float32."""
@@ -119,25 +122,24 @@ class DecoderModel(nnx.Module):
         which multi-token prediction shares)."""
         c, host = self.config, self.params_on_host
         unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        logits = jnp.einsum("...le,ev->...lv", x, unembed.astype(jnp.dtype(c.compute_dtype)),
-                            preferred_element_type=jnp.float32)
+        logits = matmul.dense(x, unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
         batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
-        return constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
+        return self.layout.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
 
 
 class SingleStackDecoder(DecoderModel):
     """A family whose layers are one scanned stack of identical layers (the model group "decoder"): it gives
-    `make_layer(config, rngs)` and gets the constructor every family takes and the forward pass."""
+    `make_layer(config, rngs, layout, numerics)` and gets the constructor every family takes and the forward pass."""
 
     @staticmethod
-    def make_layer(c, rngs):
-        raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs) -> one layer")
+    def make_layer(c, rngs, layout, numerics):
+        raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs, layout, numerics) -> one layer")
 
-    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, experts=None):
-        """experts: an expert-parallel layout, as every family takes (unused: no MoE layers here)."""
+    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, layout=NONE, numerics=None):
+        """layout, numerics: as DecoderModel.init_embeddings says."""
         self.remat_segments = remat_segments["decoder"]
-        self.init_embeddings(c, params_on_host, rngs)
-        self.layers = stacked_layers(lambda r: self.make_layer(c, r), c.num_layers, rngs)
+        self.init_embeddings(c, params_on_host, rngs, layout, numerics)
+        self.layers = stacked_layers(lambda r: self.make_layer(c, r, self.layout, self.numerics), c.num_layers, rngs)
         self.init_head(c, rngs)
 
     def __call__(self, tokens):

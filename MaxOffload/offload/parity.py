@@ -27,14 +27,11 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 def _loss_and_grads(setup, params, batch, model_state=None):
     import jax
 
-    from MaxOffload.parallel import logical
-
     model_state = {} if model_state is None else model_state
-    with logical.activate(setup.mesh, setup.rules):
-        fn = jax.jit(lambda p, m, b: jax.value_and_grad(lambda q: setup.loss(q, m, b)[0])(p),
-                     in_shardings=(setup.state_shardings["params"], setup.state_shardings["model_state"],
-                                   setup.batch_shardings()))
-        return fn(params, model_state, batch)
+    fn = jax.jit(lambda p, m, b: jax.value_and_grad(lambda q: setup.loss(q, m, b)[0])(p),
+                 in_shardings=(setup.state_shardings["params"], setup.state_shardings["model_state"],
+                               setup.batch_shardings()))
+    return setup.compile(fn, params, model_state, batch)(params, model_state, batch)
 
 
 def compare(setup, presets=()):

@@ -14,7 +14,7 @@ from MaxOffload.models.stack import to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib
-from MaxOffload.parallel.expert import ExpertLayout
+from MaxOffload.parallel.layout import ParallelLayout
 from MaxOffload.train import optimizer
 
 BATCH_AXES = ("activation_batch", "activation_length")
@@ -66,12 +66,12 @@ class TrainSetup:
         mesh = mesh_lib.make(cfg.mesh, devices)
         rules = {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()}
         self.cfg, self.plan, self.devices, self.mesh, self.rules = cfg, plan, devices, mesh, rules
-        self.experts = ExpertLayout.of(mesh, rules)  # the MoE layers' exchange: from the mesh, once
+        self.layout = ParallelLayout.of(mesh, rules, cfg.mesh.exchange)  # handed to the model, once
         self.compiler_options = xla.compiler_options(plan.xla_preset)  # every compile of the step gets the preset
         self.tx = optimizer.build(cfg.train)
         self.schedule = optimizer.schedule(cfg.train)
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
-        self.model_config = kernels.resolved(models.model_config(cfg), kernels.platform(mesh.devices.flat[0]))
+        self.model_config = kernels.for_platform(models.model_config(cfg), kernels.platform(mesh.devices.flat[0]))
         abstract_model = nnx.eval_shape(self._model)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
@@ -103,7 +103,7 @@ class TrainSetup:
         return TrainSetup(self.cfg, plan, self.devices)
 
     def _model(self):
-        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed), self.experts)
+        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed), self.layout)
 
     def _init(self):
         weights = models.weights(self._model())
@@ -112,8 +112,7 @@ class TrainSetup:
 
     def init_state(self):
         """Freshly initialised state, created directly in its sharding (never whole on one device)."""
-        with logical.activate(self.mesh, self.rules):
-            return jax.jit(self._init, out_shardings=self.state_shardings)()
+        return jax.jit(self._init, out_shardings=self.state_shardings)()
 
     def forward(self, params, model_state, inputs):
         """(logits, aux). A model returns logits, or (logits, aux) with optional aux entries:
@@ -196,18 +195,23 @@ class TrainSetup:
         """Lowers the real training step for abstract inputs; `lower(jitted, *args)` may replace
         `jitted.lower(*args)` (e.g. jax.export for another platform)."""
         jitted, args = self.jitted_train_step(), (self.abstract_state, self.abstract_batch())
-        with logical.activate(self.mesh, self.rules), kernels.lowering(self.mesh.devices.flat[0]):
+        with kernels.lowering(self.mesh.devices.flat[0]):
             return lower(jitted, *args) if lower else jitted.lower(*args)
 
+    def compile(self, jitted, *args):
+        """A jitted function of this run's arrays (or their shapes), compiled as the step is: lowered for the run's
+        devices, with the plan's XLA preset."""
+        with kernels.lowering(self.mesh.devices.flat[0]):
+            return jitted.lower(*args).compile(compiler_options=self.compiler_options)
+
     def compile_train_step(self):
-        return self.lower_train_step().compile(compiler_options=self.compiler_options)
+        return self.compile(self.jitted_train_step(), self.abstract_state, self.abstract_batch())
 
     def compile_eval_step(self):
         jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"],
                                                        self.state_shardings["model_state"], self.batch_shardings()))
-        with logical.activate(self.mesh, self.rules), kernels.lowering(self.mesh.devices.flat[0]):
-            return jitted.lower(self.abstract_state["params"], self.abstract_state["model_state"],
-                                self.abstract_batch()).compile(compiler_options=self.compiler_options)
+        return self.compile(jitted, self.abstract_state["params"], self.abstract_state["model_state"],
+                            self.abstract_batch())
 
     def put_batch(self, batch):
         """This process's rows of a global batch -> global arrays sharded over the batch axes."""
