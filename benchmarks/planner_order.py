@@ -39,14 +39,14 @@ def _main(argv):
 
     from MaxOffload.config import load
     from MaxOffload.offload import planner
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
     argv = argv if argv and "=" not in argv[0] else DEFAULT + argv  # no config given: the default model
     runs = {}
     for name in policies.split(","):
         cfg = load(argv + [f"remat.policy={name}"])
-        plan = planner.resolve(cfg, log=lambda *a: None)
-        setup = resolve.train_setup(cfg, plan=plan)
+        plan = planner.plan_for(cfg, log=lambda *a: None)
+        setup = from_config.train_setup(cfg, plan=plan)
         state = setup.init_state()
         batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
         step = setup.compile_train_step()

@@ -154,11 +154,11 @@ def test_a_preset_reaches_the_compiled_step(tmp_path):
     import dataclasses
     import re
 
-    from MaxOffload import deviceless, resolve
+    from MaxOffload import deviceless, from_config
     from MaxOffload.config import load
 
     cfg = load([*TINY, "remat.policy=minimal_offloaded", f"run.output_dir={tmp_path}"])
-    setup = resolve.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
+    setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
 
     def trips(plan):
         text = setup.with_plan(plan).compile_train_step().as_text()
@@ -230,12 +230,12 @@ def test_dropless_experts_compile_to_the_grouped_gemm_kernel_on_gpus(tmp_path):
 
 def _attention_step(attention, length):
     """(compiled GB200 step text, its audit, temporaries) of a 2-layer Llama under model.attention=attention."""
-    from MaxOffload import audit, deviceless, resolve
+    from MaxOffload import audit, deviceless, from_config
     from MaxOffload.config import load
 
     cfg = load(["configs/llama3_1.py:tiny", f"train.seq_len={length}", "train.per_device_batch_size=1",
                 "remat.policy=save_all", f"model.attention={attention}", "run.output_dir=/tmp/maxoffload_attention"])
-    setup = resolve.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x4"))
+    setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x4"))
     compiled = setup.compile_train_step()
     return compiled.as_text(), audit.of_compiled(compiled, setup), compiled.memory_analysis().temp_size_in_bytes
 

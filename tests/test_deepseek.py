@@ -17,7 +17,7 @@ from flax import nnx
 
 from conftest import ROOT, process_env
 from test_model import checkpoint_names  # the jaxpr walker, itself tested there
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload import models
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek, kernels, matmul, moe, routing
@@ -170,7 +170,7 @@ def test_yarn_frequencies_match_reference(dim, base, factor, orig):
 
 
 def test_deepseek_v3_attention_scale_and_rope_amplitude():
-    c = models.model_config(load(["configs/deepseek_v3.py:671b"]))
+    c = models.model_config(load(["configs/deepseek_v3.py:671b"]).model)
     _, amplitude, scale = deepseek.rope_setup(c)
     assert amplitude == 1.0  # mscale == mscale_all_dim
     assert scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(128 + 64), rel=1e-12)
@@ -375,7 +375,8 @@ def test_dropless_gradients_match_dense_reference():
         return jnp.einsum("bled,ble->bld", y, weight)
 
     def sparse(x, gates, wi_0, wi_1, wo):
-        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0)[0]
+        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0,
+                                  numerics=matmul.Numerics("float32"))[0]
 
     target = jnp.asarray(rand(np.random.default_rng(4), 2, 4, 16))
     args = (x, gates, layer.wi_0[...], layer.wi_1[...], layer.wo[...])
@@ -395,7 +396,8 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     wi_0, wi_1, wo = rand(rng, e, d, m), rand(rng, e, d, m), rand(rng, e, m, d)
     positions = moe.capacity_positions(jnp.asarray(experts), e)
     got, counted = moe.routed_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(gates), positions,
-                                      jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity)
+                                      jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity,
+                                      numerics=matmul.Numerics("float32"))
     got = np.asarray(got)
     ref, dropped = np.zeros((b, l, d)), []
     for bi in range(b):
@@ -448,10 +450,10 @@ def test_capacity_mode_statistics_count_dropped_choices():
 
 
 def test_model_state_is_the_router_biases_and_moves_against_the_load():
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
     cfg = tiny_config()
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     state = jax.jit(setup._init)()
     assert jax.tree.map(lambda a: a.shape, state["model_state"]) == {"moe_layers": {"mlp": {"router_bias": (2, 8)}}}
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
@@ -467,9 +469,9 @@ def test_model_state_is_the_router_biases_and_moves_against_the_load():
 
 
 def test_every_tagged_name_is_tagged_in_the_training_step():
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
-    setup = resolve.train_setup(tiny_config())
+    setup = from_config.train_setup(tiny_config())
     jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     expected = ("decoder_layer_input", "query_wa_proj", "mla_q", "query_proj", "kv_wa_proj", "mla_kv", "key_proj",
                 "value_proj", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0",
@@ -504,7 +506,7 @@ def test_invalid_deepseek_config_is_one_clear_line(overrides, words):
 
 def test_671b_parameter_count_by_hand():
     cfg = load(["configs/deepseek_v3.py:671b", "model.mtp_depth=0"])  # the main model (its MTP: test_mtp.py)
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: resolve.model(cfg)),
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: from_config.model(cfg)),
                                                                        nnx.Param)))
     d, vocab, heads = 7168, 129280, 128
     mla = d * 1536 + 1536 + 1536 * heads * 192 + d * (512 + 64) + 512 + 512 * heads * 128 * 2 + heads * 128 * d
@@ -521,7 +523,7 @@ def test_train_flops_by_hand():
                           q_lora_rank=4, kv_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=5,
                           num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_mlp_dim=7, n_groups=1,
                           topk_groups=1))
-    c = models.model_config(cfg)
+    c = models.model_config(cfg.model)
     # multiply-adds per token
     q_down, q_up = 8 * 4, 4 * 2 * (3 + 2)  # 32, 40
     kv_down, k_up, v_up = 8 * (6 + 2), 6 * 2 * 3, 6 * 2 * 5  # 64, 36, 60
@@ -539,7 +541,7 @@ def test_train_flops_by_hand():
     attention = 6 * tokens * 3 * seq * 2 * ((3 + 2) + 5) / 2  # qk_dim = nope + rope, v_dim
     assert train_flops_per_step(c, batch, seq) == pytest.approx(6 * tokens * macs + attention, rel=1e-12)
     # every routed expert and router weight counted once per chosen expert, never all experts
-    model = nnx.eval_shape(lambda: resolve.model(cfg))
+    model = nnx.eval_shape(lambda: from_config.model(cfg))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     all_experts = 2 * 4 * 3 * 8 * 7
     assert all_experts == sum(math.prod(params["moe_layers"]["mlp"][w].shape) for w in ("wi_0", "wi_1", "wo"))
@@ -557,7 +559,7 @@ def test_dry_run_671b(cli, tmp_path):
     assert summary["params_as_released"] == 682_636_472_320 + 2 * 129280 * 7168
     assert "682.6B parameters (684.5B as released)" in result.stdout
     assert summary["model_flops_per_step"] == pytest.approx(
-        6 * 4096 * models.model_config(load(["configs/deepseek_v3.py:671b"])).matmul_params_per_token()
+        6 * 4096 * models.model_config(load(["configs/deepseek_v3.py:671b"]).model).matmul_params_per_token()
         + 6 * 4096 * 62 * 4096 * 128 * (192 + 128) / 2, rel=1e-9)
 
 
@@ -650,7 +652,7 @@ def test_mla_goes_through_the_shared_chunked_attention():
 
     length = 2048
     cfg = load(["configs/deepseek_v3.py:tiny", f"train.seq_len={length}", "model.compute_dtype=float32"])
-    model = resolve.model(cfg)
+    model = from_config.model(cfg)
     jaxpr = jax.make_jaxpr(lambda t: model(t)[0])(jnp.zeros((1, length), jnp.int32)).jaxpr
 
     def shapes(jp):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
-from MaxOffload import models, resolve
+from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, load
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models.base import FromConfig
@@ -140,7 +140,7 @@ def _losses(run_dir):
 
 def test_the_registry_gives_a_new_family_config_keys_checks_and_traced_names(toy, tmp_path):
     cfg = load(BASE + ["model.mlp_activation=relu", f"run.output_dir={tmp_path}"])
-    config = models.model_config(cfg)
+    config = models.model_config(cfg.model)
     assert isinstance(config, ToyConfig) and config.mlp_activation == "relu"
     assert models.tagged_names(config) == TAGGED  # read off the trace: the MLP tags mlpwi, not mlpwi_0/1
     assert config.layer_groups() == {"decoder": (0, 2)}
@@ -173,15 +173,15 @@ def test_a_registered_family_trains_and_its_offload_is_proven(toy, tmp_path):
 def test_a_registered_family_is_planned_from_its_own_cost_table_and_trains_on_the_plan(toy, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = load(BASE + ["remat.policy=auto", f"run.output_dir={tmp_path}"])
-    result = planner.plan(cfg, confirm=False, log=lambda *_: None)
+    result = planner.decide(cfg, confirm=False, log=lambda *_: None)
     by_name = {c.name: c for c in result.candidates}
     assert set(by_name) <= set(TAGGED) and names.MLPWI in by_name
     tokens, d = BATCH * SEQ, 64
     assert by_name[names.MLPWI].recompute_flops == 2 * tokens * MLP * d  # the toy's contractions: K = emb_dim
-    plan = planner.resolve(cfg, log=lambda *_: None)
+    plan = planner.plan_for(cfg, log=lambda *_: None)
     assert [(s.model_group, s.start, s.stop) for s in plan.segments] == [("decoder", 0, 2)]
     assert {n for n, _ in plan.segments[0].decisions} >= set(TAGGED)
-    assert plan != resolve.template(cfg)  # the planner chose something other than full remat
+    assert plan != from_config.template(cfg)  # the planner chose something other than full remat
     assert _train(BASE + ["remat.policy=auto", "train.steps=2", "checkpoint.enabled=false",
                           f"run.output_dir={tmp_path / 'run'}"]) == 0
     assert len(_losses(tmp_path / "run")) == 2

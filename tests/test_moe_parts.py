@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.models import components, exchange, matmul, routing
 
@@ -48,7 +48,7 @@ def test_every_weight_matmul_goes_through_the_entry_point(spec, forward):
     """No dot_general or ragged_dot of the training step outside models/matmul's scope, except the two that contract
     activations (attention scores and values; the experts' gate-weighted combine); the forward pass's weight
     matmuls counted by hand (each scanned stack's body once)."""
-    setup = resolve.train_setup(load([*spec, *SMALL]))
+    setup = from_config.train_setup(load([*spec, *SMALL]))
     found = matmul_scopes(jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch()))
     outside = [(p, s) for p, s in found if matmul.SCOPE not in s and not any(a in s for a in matmul.ACTIVATION_SCOPES)]
     assert not outside, outside[:3]
@@ -116,7 +116,7 @@ def toys():
 
 
 def train(cfg, steps):
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     state, step = setup.init_state(), setup.compile_train_step()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (cfg.train.per_device_batch_size, cfg.train.seq_len + 1)).astype(np.int32)

@@ -60,7 +60,7 @@ def _validate_remat(cfg):
     from MaxOffload.offload import segments
 
     family = cfg.model.family
-    config = models.model_config(cfg)
+    config = models.model_config(cfg.model)
 
     def tagged():
         return models.tagged_names(config)
@@ -83,7 +83,7 @@ def _validate_remat(cfg):
         if group.policy:
             _choice(f"{prefix}.policy", group.policy, tuple(policy.PRESETS))
         _check_tensors(f"{prefix}.tensors", group.tensors, family, tagged)
-    segments.layer_segments(remat, models.layer_groups(cfg))  # ranges: in bounds, disjoint
+    segments.layer_segments(remat, models.layer_groups(cfg.model))  # ranges: in bounds, disjoint
 
 
 def validate(cfg):
@@ -120,7 +120,7 @@ def validate(cfg):
     _choice("model.param_dtype", model.param_dtype, DTYPES)
     _choice("model.compute_dtype", model.compute_dtype, DTYPES)
     _choice("model.attention", model.attention, kernels.ATTENTION)
-    models.model_config(cfg).validate()  # the family's own checks
+    models.model_config(cfg.model).validate()  # the family's own checks
 
     _validate_remat(cfg)
     from MaxOffload.parallel.logical import MESH_AXES

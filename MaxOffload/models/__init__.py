@@ -7,7 +7,7 @@ A family is
   - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, layout=, numerics=):
     the parallel layout (parallel/layout.py: mesh, rules, expert exchange) and the weight matmuls' numerics
     (models/matmul.Numerics) are handed to it, never read from anywhere else;
-  - `fields`: its own cfg.model keys {key: (default, meaning)} (the keys every family shares are in
+  - `fields`: its own `model` section keys {key: (default, meaning)} (the keys every family shares are in
     config/defaults.py), joined to the config schema by `register`;
   - `hf`: its weights in the Hugging Face layout (models/hf.HFFormat), which MaxOffload/convert reads and
     writes.
@@ -40,7 +40,7 @@ FAMILIES = {}
 
 
 def register(name, family):
-    """Adds a family under model.family=`name`; its own config keys join cfg.model (config/defaults.py
+    """Adds a family under model.family=`name`; its own config keys join the `model` section (config/defaults.py
     full_schema: a key another family or the shared section has must keep its default)."""
     FAMILIES[name] = family
 
@@ -49,13 +49,14 @@ register("llama", Family(llama.LlamaConfig, llama.Llama, llama.FIELDS, llama_hf.
 register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.FIELDS, deepseek_hf.DeepSeekHF()))
 
 
-def model_config(cfg):
-    """The family's explicit (frozen dataclass) model configuration from cfg.model."""
-    return FAMILIES[cfg.model.family].config_class.from_config(cfg.model)
+def model_config(section):
+    """The family's explicit (frozen dataclass) model configuration from a config's `model` section."""
+    return FAMILIES[section.family].config_class.from_config(section)
 
 
-def layer_groups(cfg):
-    return model_config(cfg).layer_groups()
+def layer_groups(section):
+    """{name: (start, stop)}: the separately scanned stacks of the model a `model` section describes."""
+    return model_config(section).layer_groups()
 
 
 def family_of(config):
@@ -73,14 +74,16 @@ def weights(model):
 
 
 def abstract_model(config):
-    """The model of a model configuration, abstract (shapes and dtypes only: nothing is allocated)."""
+    """The model of a model configuration, abstract (shapes and dtypes only: nothing is allocated; its kernels
+    are the CPU's choices, which have the same parameters and tag the same names as any other's)."""
     from flax import nnx
 
+    from MaxOffload.models import kernels
     from MaxOffload.offload import segments
     from MaxOffload.offload.plan import OffloadPlan
 
     plan = OffloadPlan(tuple(segments.uniform("full", config.layer_groups())))
-    return nnx.eval_shape(lambda: build(config, plan, nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: build(kernels.for_platform(config, "cpu"), plan, nnx.Rngs(0)))
 
 
 def weight_leaves(config):
@@ -97,7 +100,7 @@ def by_architecture(architecture):
 
 
 def build(config, plan, rngs, layout=None, numerics=None):
-    """The model for a model configuration under an OffloadPlan (MaxOffload/resolve.py makes both), built for a
+    """The model for a model configuration under an OffloadPlan (MaxOffload/from_config.py makes both), built for a
     parallel layout (parallel/layout.ParallelLayout; None: no mesh, every placement a no-op) and a numerics
     policy (models/matmul.Numerics; None: bf16 in the configured compute dtype)."""
     from MaxOffload.parallel.layout import NONE

@@ -5,7 +5,7 @@ from MaxOffload.errors import require
 
 
 class FromConfig:
-    """Mixin for a family's frozen dataclass: built from the cfg.model section (config read at the edge)."""
+    """Mixin for a family's frozen dataclass: built from a config's `model` section (config read at the edge)."""
 
     # Multi-token prediction: a family that has it makes these dataclass fields (models/deepseek.py); its model
     # then returns aux["mtp_logits"], which the train step weighs in (train/step.py).

@@ -30,12 +30,12 @@ from MaxOffload.models import components, kernels, matmul, routing
 from MaxOffload.models.base import FromConfig
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
-from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
+from MaxOffload.models.stack import DecoderModel, masked_cross_entropy, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE
 from MaxOffload.offload import names
 from MaxOffload.parallel.layout import NONE
 
-# The family's own cfg.model keys (the shared ones are in config/defaults.py).
+# The family's own `model` section keys (the shared ones are in config/defaults.py).
 FIELDS = {
     "rope_beta_fast": (32.0, "yarn: frequencies turning more often than this within the original context "
                              "are kept"),
@@ -382,6 +382,19 @@ class MTPLayer(nnx.Module):
         return normed, {"hidden": normed, **stats}
 
 
+def mtp_cross_entropy(mtp_logits, targets, mask):
+    """Multi-token prediction's loss: the mean over depths k = 1..D of depth k's mean cross-entropy, where its
+    logits at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions have no
+    such target and are masked."""
+    length = targets.shape[1]
+    losses = []
+    for k, logits in enumerate(mtp_logits, start=1):
+        within = jnp.arange(length) < length - k
+        total, count = masked_cross_entropy(logits, jnp.roll(targets, -k, axis=1), jnp.roll(mask, -k, axis=1) * within)
+        losses.append(total / jnp.maximum(count, 1.0))
+    return sum(losses) / len(losses)
+
+
 class DeepSeek(DecoderModel):
     def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, layout=NONE, numerics=None):
         """layout: the parallel/layout.ParallelLayout the model is built for; numerics: its weight matmuls' policy
@@ -432,6 +445,16 @@ class DeepSeek(DecoderModel):
         if stats:
             aux.update(self._moe_aux(stats))
         return self.unembed_normed(normed, embed), aux
+
+    def target_losses(self, aux, targets, mask):
+        """Multi-token prediction: (mtp_loss_weight x the MTP loss, aux with mtp_logits consumed and
+        metrics["mtp_loss"] added)."""
+        if "mtp_logits" not in aux:
+            return 0.0, aux
+        aux = dict(aux)
+        mtp = mtp_cross_entropy(aux.pop("mtp_logits"), targets, mask)
+        aux["metrics"] = {**aux.get("metrics", {}), "mtp_loss": mtp}
+        return self.config.mtp_loss_weight * mtp, aux
 
     def _moe_aux(self, stacks):
         """Balance loss, the router state's update (DeepSeek-V3: the biases) and expert-load metrics from the MoE

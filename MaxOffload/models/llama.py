@@ -12,7 +12,7 @@ from MaxOffload.models.rope import rope_inv_freq
 from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import names
 
-# The family's own cfg.model keys (the shared ones are in config/defaults.py).
+# The family's own `model` section keys (the shared ones are in config/defaults.py).
 FIELDS = {
     "num_kv_heads": (4, "llama: key/value heads (grouped-query attention); divides num_heads"),
     "head_dim": (32, "llama: dimension per attention head"),

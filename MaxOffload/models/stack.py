@@ -3,6 +3,7 @@ remat/offload policies, the per-layer host-to-device copy of host-resident weigh
 layers (token embedding in, final norm and unembedding out)."""
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from MaxOffload.models import components, matmul
@@ -82,6 +83,12 @@ def _depth(stacked):
     return jax.tree.leaves(stacked)[0].shape[0]
 
 
+def masked_cross_entropy(logits, targets, mask):
+    """(sum of next-token cross-entropy over positions where mask=1, number of such positions)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
 class DecoderModel(nnx.Module):
     """embed -> (the family's layers) -> final norm -> unembed. A family's __init__ calls init_embeddings
     before building its layers and init_head after (parameter creation order fixes the random init), and its
@@ -100,6 +107,11 @@ class DecoderModel(nnx.Module):
         self.final_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         if not c.tie_embeddings:
             self.unembed = param(rngs, (c.emb_dim, c.vocab_size), ("embed", "vocab"), pdt, c.init_std)
+
+    def target_losses(self, aux, targets, mask):
+        """(this family's losses of the targets beyond next-token cross-entropy, added to the objective; aux with
+        what they consumed removed and their metrics added). None by default."""
+        return 0.0, aux
 
     def embed_tokens(self, tokens):
         """tokens [batch, length] int32 -> (x [batch, length, emb] in the compute dtype, positions, the

@@ -10,34 +10,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models, xla
 from MaxOffload.models import kernels
-from MaxOffload.models.stack import to_device
+from MaxOffload.models.stack import masked_cross_entropy, to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.parallel.layout import ParallelLayout
-from MaxOffload.train import optimizer
 
 BATCH_AXES = ("activation_batch", "activation_length")
 HOST, DEVICE = "pinned_host", "device"
-
-
-def masked_cross_entropy(logits, targets, mask):
-    """(sum of next-token cross-entropy over positions where mask=1, number of such positions)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.sum(losses * mask), jnp.sum(mask)
-
-
-def mtp_cross_entropy(mtp_logits, targets, mask):
-    """Multi-token prediction's loss: the mean over depths k = 1..D of depth k's mean cross-entropy, where its
-    logits at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions have no
-    such target and are masked."""
-    length = targets.shape[1]
-    losses = []
-    for k, logits in enumerate(mtp_logits, start=1):
-        within = jnp.arange(length) < length - k
-        total, count = masked_cross_entropy(logits, jnp.roll(targets, -k, axis=1), jnp.roll(mask, -k, axis=1) * within)
-        losses.append(total / jnp.maximum(count, 1.0))
-    return sum(losses) / len(losses)
 
 
 def check_divisible(abstract_params, shardings, mesh):
@@ -53,25 +33,51 @@ def check_divisible(abstract_params, shardings, mesh):
                                   "or mesh.rules")
 
 
+def _outputs(model, inputs):
+    out = model(inputs)
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def skip_nonfinite(step, finite):
+    """train.on_nonfinite=skip: (whether to apply the update, the new step) -- a bad step is dropped, counted."""
+    return finite, step + 1
+
+
+def halt_on_nonfinite(step, finite):
+    """train.on_nonfinite=stop. The host learns of a bad step only after it has queued the next one, so the bad
+    step halts the state on the device: its step becomes -(last good step) - 1 and every later step keeps it as it
+    is, so the state the host stops with is the last good one (TrainSetup.last_good)."""
+    halted = step < 0
+    finite = finite & ~halted
+    return finite, jnp.where(finite, step + 1, jnp.where(halted, step, -step - 1))
+
+
+ON_NONFINITE = {"skip": skip_nonfinite, "stop": halt_on_nonfinite}
+
+
 class TrainSetup:
-    """What a run needs to create, shard and step its state; built once from the config.
+    """What a run needs to create, shard and step its state; built once (MaxOffload/from_config.train_setup makes
+    one from a config).
 
     The state is a plain pytree {'step', 'params', 'opt_state'} so that checkpointing and
     sharding see ordinary dicts; `graphdef` turns params back into the NNX model.
     """
 
-    def __init__(self, cfg, plan, devices=None):
-        """`plan`: the OffloadPlan (MaxOffload/resolve.py). Raises ConfigError when the mesh does not fit the
-        devices or the model's dimensions."""
-        mesh = mesh_lib.make(cfg.mesh, devices)
-        rules = {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()}
-        self.cfg, self.plan, self.devices, self.mesh, self.rules = cfg, plan, devices, mesh, rules
-        self.layout = ParallelLayout.of(mesh, rules, cfg.mesh.exchange)  # handed to the model, once
+    def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
+                 on_nonfinite=skip_nonfinite):
+        """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
+        plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
+        tx, schedule: the optax optimizer and its learning-rate schedule; on_nonfinite: skip_nonfinite or
+        halt_on_nonfinite. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
+        self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
+                          schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
+                          on_nonfinite=on_nonfinite)
+        self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
+        self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
+        self.layout = ParallelLayout.of(mesh, rules, exchange)  # handed to the model, once
         self.compiler_options = xla.compiler_options(plan.xla_preset)  # every compile of the step gets the preset
-        self.tx = optimizer.build(cfg.train)
-        self.schedule = optimizer.schedule(cfg.train)
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
-        self.model_config = kernels.for_platform(models.model_config(cfg), kernels.platform(mesh.devices.flat[0]))
+        self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
         abstract_model = nnx.eval_shape(self._model)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
@@ -94,16 +100,17 @@ class TrainSetup:
         }
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
         context = logical.ways(mesh, self.batch_sharding.spec[1])
-        if cfg.train.seq_len % context:
-            raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by the {context}-way sharding of "
+        if seq_len % context:
+            raise ConfigError(f"train.seq_len={seq_len} is not divisible by the {context}-way sharding of "
                               f"activation_length ({mesh_lib.describe(mesh)})")
 
     def with_plan(self, plan):
-        """The same run (config, devices) under another OffloadPlan: a planner's or a report's variant."""
-        return TrainSetup(self.cfg, plan, self.devices)
+        """The same run (model, mesh, optimizer, batch) under another OffloadPlan: a planner's or a report's
+        variant."""
+        return TrainSetup(plan=plan, **self._args)
 
     def _model(self):
-        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed), self.layout)
+        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.seed), self.layout)
 
     def _init(self):
         weights = models.weights(self._model())
@@ -115,24 +122,19 @@ class TrainSetup:
         return jax.jit(self._init, out_shardings=self.state_shardings)()
 
     def forward(self, params, model_state, inputs):
-        """(logits, aux). A model returns logits, or (logits, aux) with optional aux entries:
-        "aux_loss" (added to the objective), "metrics" ({name: scalar}, logged) and
-        "model_state" (the new values of its non-Param variables, applied after the step)."""
-        out = nnx.merge(self.graphdef, params, model_state)(inputs)
-        return out if isinstance(out, tuple) else (out, {})
+        """(logits, aux). A model returns logits, or (logits, aux) with optional aux entries: "aux_loss" (added to
+        the objective), "metrics" ({name: scalar}, logged), "model_state" (the new values of its non-Param
+        variables, applied after the step) and what its family's `target_losses` consumes."""
+        return _outputs(nnx.merge(self.graphdef, params, model_state), inputs)
 
     def loss(self, params, model_state, batch):
-        """(objective, aux): mean next-token cross-entropy (+ the model's aux_loss, + mtp_loss_weight x the
-        multi-token-prediction loss, which aux["metrics"]["mtp_loss"] then reports)."""
-        logits, aux = self.forward(params, model_state, batch["inputs"])
+        """(objective, aux): mean next-token cross-entropy + the model's aux_loss + its family's losses of the
+        targets (models/stack.DecoderModel.target_losses, e.g. DeepSeek-V3's weighted multi-token prediction)."""
+        model = nnx.merge(self.graphdef, params, model_state)
+        logits, aux = _outputs(model, batch["inputs"])
         total, count = masked_cross_entropy(logits, batch["targets"], batch["mask"])
-        objective = total / jnp.maximum(count, 1.0) + aux.get("aux_loss", 0.0)
-        if "mtp_logits" in aux:
-            aux = dict(aux)
-            mtp = mtp_cross_entropy(aux.pop("mtp_logits"), batch["targets"], batch["mask"])
-            objective = objective + self.model_config.mtp_loss_weight * mtp
-            aux["metrics"] = {**aux.get("metrics", {}), "mtp_loss": mtp}
-        return objective, aux
+        extra, aux = model.target_losses(aux, batch["targets"], batch["mask"])
+        return total / jnp.maximum(count, 1.0) + aux.get("aux_loss", 0.0) + extra, aux
 
     def train_step(self, state, batch):
         (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state["params"], state["model_state"], batch)
@@ -144,15 +146,7 @@ class TrainSetup:
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         grad_norm = optax.tree.norm(grads)
         # A non-finite loss or gradient never reaches the state: keep the old values.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        step = state["step"] + 1
-        if self.cfg.train.on_nonfinite == "stop":
-            # The host learns of a bad step only after it has queued the next one. So the bad step halts the
-            # state on the device: its step becomes -(last good step) - 1 and every later step keeps it as it
-            # is, so the state the host stops with is the last good one (see halted_at).
-            halted = state["step"] < 0
-            finite = finite & ~halted
-            step = jnp.where(finite, step, jnp.where(halted, state["step"], -state["step"] - 1))
+        finite, step = self.on_nonfinite(state["step"], jnp.isfinite(loss) & jnp.isfinite(grad_norm))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = {"step": step,
                      "params": keep(optax.apply_updates(params, updates), params),
@@ -179,7 +173,7 @@ class TrainSetup:
 
     def abstract_batch(self):
         """Shapes, dtypes and shardings of one global batch (see MaxOffload.data)."""
-        shape = (self.cfg.train.per_device_batch_size * self.mesh.size, self.cfg.train.seq_len)
+        shape = (self.per_device_batch * self.mesh.size, self.seq_len)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in dtypes.items()}
 
