@@ -19,40 +19,24 @@ from conftest import ROOT
 from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, load
 from MaxOffload.errors import require, require_choice
-from MaxOffload.models.base import FromConfig
+from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models import components, matmul
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, Attention, param, rope_inv_freq
 from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, planner
 
-FIELDS = {
-    "num_kv_heads": (4, "toy: key/value heads"),
-    "head_dim": (32, "toy: dimension per attention head"),
-    "mlp_activation": ("gelu", "toy: the MLP's activation: gelu | relu"),
-}
 ACTIVATIONS = {"gelu": jax.nn.gelu, "relu": jax.nn.relu}
 TAGGED = (names.DECODER_LAYER_INPUT, names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ, names.ATTENTION_OUT,
           names.OUT_PROJ, names.MLPWI, names.MLPWO)
 
 
-@dataclasses.dataclass(frozen=True)
-class ToyConfig(FromConfig):
-    vocab_size: int
-    emb_dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    mlp_activation: str
-    norm_eps: float
-    rope_theta: float
-    tie_embeddings: bool
-    param_dtype: str
-    compute_dtype: str
-    scan_layers: bool
-    init_std: float
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyConfig(ModelConfig):
+    """The shared fields come from ModelConfig; the toy's own keys are declared here, once."""
+    num_kv_heads: int = field(4, "toy: key/value heads")
+    head_dim: int = field(32, "toy: dimension per attention head")
+    mlp_activation: str = field("gelu", "toy: the MLP's activation: gelu | relu")
 
     def validate(self):
         require_choice("model.mlp_activation", self.mlp_activation, tuple(ACTIVATIONS))
@@ -116,7 +100,7 @@ class Toy(SingleStackDecoder):
 
 @pytest.fixture
 def toy():
-    models.register("toy", models.Family(ToyConfig, Toy, FIELDS))
+    models.register("toy", models.Family(ToyConfig, Toy))  # its keys: ToyConfig's own fields
     yield
     del models.FAMILIES["toy"]
 

@@ -5,6 +5,7 @@ differs. `python train.py --help` prints this table.
 """
 import ml_collections
 
+from MaxOffload.models import base as model_base
 from MaxOffload.offload.names import VOCABULARY
 from MaxOffload.parallel.logical import DEFAULT_RULES, MESH_AXES
 
@@ -48,26 +49,7 @@ SCHEMA = {
                                  "`python -m MaxOffload.convert from-hf`'s output; ignored when resuming"),
     },
     # The keys every family shares; each family adds its own (models.register joins them: see full_schema()).
-    "model": {
-        "family": ("llama", "model family: llama | deepseek"),
-        "vocab_size": (512, "vocabulary size (embedding rows); must cover the tokenizer"),
-        "emb_dim": (256, "model width d_model"),
-        "num_layers": (4, "number of decoder layers"),
-        "num_heads": (8, "query heads"),
-        "mlp_dim": (704, "hidden size of the SwiGLU MLP (deepseek: of the dense layers)"),
-        "norm_eps": (1e-5, "RMSNorm epsilon"),
-        "rope_theta": (10000.0, "RoPE base frequency"),
-        "rope_scaling": ("none", "RoPE frequency scaling: none | llama3 (Llama 3.1) | yarn (DeepSeek-V3)"),
-        "rope_factor": (8.0, "llama3 scaling: factor for low frequencies; yarn: context extension factor"),
-        "rope_original_max_len": (8192, "llama3 / yarn scaling: original context length"),
-        "tie_embeddings": (False, "share the token embedding with the output projection"),
-        "param_dtype": ("float32", "parameter (and optimizer state) dtype: float32 | bfloat16"),
-        "compute_dtype": ("bfloat16", "matmul/activation dtype: float32 | bfloat16"),
-        "attention": ("auto", "causal attention: auto (flash on GPUs, xla on CPU) | xla (query blocks that skip "
-                              "the keys they cannot see) | flash (tokamax's fused kernel; models/kernels.py)"),
-        "scan_layers": (True, "scan over layers (compile time flat in depth); false = Python loop"),
-        "init_std": (0.02, "standard deviation of the normal weight initialiser"),
-    },
+    "model": {"family": ("llama", "model family: llama | deepseek"), **model_base.keys(model_base.ModelConfig, shared=True)},
     "remat": {
         "policy": ("full", "activation policy preset: full | minimal | minimal_offloaded | qkv_proj_offloaded "
                            "| save_qkv_proj | save_out_proj | save_dot_except_mlp | save_dot_except_mlpwi "

@@ -1,14 +1,15 @@
 """Model families: the registry, and the one place a model configuration + an OffloadPlan become a model.
 
 A family is
-  - a frozen config dataclass (models/base.FromConfig): its fields, `validate()` (the family's own checks,
+  - a frozen config dataclass (deriving from models/base.ModelConfig, which declares the fields every family
+    shares, or at least from models/base.FromConfig): its own fields, `validate()` (the family's own checks,
     one ConfigError line each), `layer_groups()` (its separately scanned stacks) and the planner's cost
     table (`contractions`, `matmul_params_per_token`, `attention_dims`);
   - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, layout=, numerics=):
     the parallel layout (parallel/layout.py: mesh, rules, expert exchange) and the weight matmuls' numerics
     (models/matmul.Numerics) are handed to it, never read from anywhere else;
-  - `fields`: its own `model` section keys {key: (default, meaning)} (the keys every family shares are in
-    config/defaults.py), joined to the config schema by `register`;
+  - `fields`: its own `model` section keys {key: (default, meaning)}: by default its dataclass's own fields
+    (models/base.field carries each one's default and meaning), joined to the config schema by `register`;
   - `hf`: its weights in the Hugging Face layout (models/hf.HFFormat), which MaxOffload/convert reads and
     writes.
 The names a family tags are read from its traced forward pass (`Family.tagged_names`), never kept by hand.
@@ -24,7 +25,7 @@ from MaxOffload.models import deepseek, deepseek_hf, llama, llama_hf
 class Family:
     config_class: type
     model_class: type
-    fields: dict = dataclasses.field(default_factory=dict)
+    fields: dict = None  # {key: (default, meaning)}; None: the config class's own fields (models/base.keys)
     hf: object = None
 
     def layer_groups(self, config):
@@ -42,11 +43,15 @@ FAMILIES = {}
 def register(name, family):
     """Adds a family under model.family=`name`; its own config keys join the `model` section (config/defaults.py
     full_schema: a key another family or the shared section has must keep its default)."""
+    if family.fields is None:  # a models/base.ModelConfig's own fields declare its keys
+        from MaxOffload.models import base
+
+        family = dataclasses.replace(family, fields=base.keys(family.config_class))
     FAMILIES[name] = family
 
 
-register("llama", Family(llama.LlamaConfig, llama.Llama, llama.FIELDS, llama_hf.LlamaHF()))
-register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.FIELDS, deepseek_hf.DeepSeekHF()))
+register("llama", Family(llama.LlamaConfig, llama.Llama, hf=llama_hf.LlamaHF()))
+register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, hf=deepseek_hf.DeepSeekHF()))
 
 
 def model_config(section):

@@ -27,7 +27,7 @@ from flax import nnx
 
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models import components, kernels, matmul, routing
-from MaxOffload.models.base import FromConfig
+from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
 from MaxOffload.models.stack import DecoderModel, masked_cross_entropy, run_layers, stacked_layers
@@ -35,48 +35,6 @@ from MaxOffload.models.moe import MoE
 from MaxOffload.offload import names
 from MaxOffload.parallel.layout import NONE
 
-# The family's own `model` section keys (the shared ones are in config/defaults.py).
-FIELDS = {
-    "rope_beta_fast": (32.0, "yarn: frequencies turning more often than this within the original context "
-                             "are kept"),
-    "rope_beta_slow": (1.0, "yarn: frequencies turning less often than this are divided by rope_factor"),
-    "rope_mscale": (1.0, "yarn: mscale (the rotated parts are scaled by mscale(factor, rope_mscale) / "
-                         "mscale(factor, rope_mscale_all_dim))"),
-    "rope_mscale_all_dim": (1.0, "yarn: the softmax scale is multiplied by (0.1 * rope_mscale_all_dim * "
-                                 "ln(rope_factor) + 1)^2"),
-    # Multi-head Latent Attention
-    "q_lora_rank": (64, "deepseek MLA: rank of the query down-projection (the q latent)"),
-    "kv_lora_rank": (32, "deepseek MLA: rank of the key/value down-projection (the kv latent)"),
-    "qk_nope_head_dim": (32, "deepseek MLA: per-head query/key dimension without RoPE"),
-    "qk_rope_head_dim": (16, "deepseek MLA: per-head query/key dimension with RoPE (the key part is shared "
-                             "by all heads)"),
-    "v_head_dim": (32, "deepseek MLA: per-head value dimension"),
-    # MoE
-    "first_k_dense": (1, "deepseek: the first k layers are dense (SwiGLU of mlp_dim), the rest MoE"),
-    "num_experts": (8, "deepseek: routed experts per MoE layer"),
-    "num_experts_per_tok": (2, "deepseek: routed experts each token is sent to (top-k)"),
-    "num_shared_experts": (1, "deepseek: shared experts every token passes through"),
-    "moe_mlp_dim": (128, "deepseek: hidden size of each routed and shared expert"),
-    "n_groups": (1, "deepseek: expert groups for group-limited routing (1 = no grouping)"),
-    "topk_groups": (1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores"),
-    "routed_scaling_factor": (1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by this"),
-    "router": ("deepseek", "deepseek: the MoE router (models/routing.ROUTERS): deepseek (sigmoid scores, group-"
-                           "limited top-k on scores + a balancing bias) | softmax (softmax top-k, renormalised gates)"),
-    "router_bias_update_rate": (0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each step "
-                                       "bias += gamma * sign(mean load - load)"),
-    "seq_balance_loss_weight": (0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)"),
-    "capacity_factor": (0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * seq_len "
-                             "* top_k / num_experts) tokens per sequence, later ones are dropped"),
-    "moe_kernel": ("auto", "deepseek: the dropless grouped GEMM: auto (tokamax's Triton kernel on GPUs, XLA's "
-                           "ragged_dot on CPU) | xla | tokamax (models/kernels.py)"),
-    "mtp_depth": (0, "deepseek: multi-token prediction depth D (0 = off; DeepSeek-V3 trained with 1): D more "
-                     "blocks, each predicting one token further ahead; the layer group \"mtp\""),
-    "mtp_loss_weight": (0.3, "deepseek: lambda of multi-token prediction: loss = main loss + lambda / D x the "
-                             "depths' cross-entropies (DeepSeek-V3: 0.3 early in training, 0.1 later)"),
-    "moe_buffer_factor": (0.0, "deepseek, dropless: rows per device = factor x a balanced step's (0 = the worst "
-                               "case, every choice on this device's experts); choices past it are dropped and "
-                               "counted in moe/dropped_fraction"),
-}
 
 # Per-layer MoE metrics (moe/max_load_layerN, ...) for models with at most this many MoE layers.
 PER_LAYER_METRICS_UP_TO = 8
@@ -108,49 +66,51 @@ PRESETS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class DeepSeekConfig(FromConfig):
-    vocab_size: int
-    emb_dim: int
-    num_layers: int
-    first_k_dense: int
-    mlp_dim: int  # the dense layers' SwiGLU
-    num_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    num_shared_experts: int
-    moe_mlp_dim: int
-    n_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling_factor: float = 1.0
-    router: str = "deepseek"
-    router_bias_update_rate: float = 0.001
-    seq_balance_loss_weight: float = 0.0
-    capacity_factor: float = 0.0
-    moe_kernel: str = "auto"
-    moe_buffer_factor: float = 0.0
-    mtp_depth: int = 0
-    mtp_loss_weight: float = 0.3
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: str = "none"
-    rope_factor: float = 40.0
-    rope_original_max_len: int = 4096
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_mscale: float = 1.0
-    rope_mscale_all_dim: float = 1.0
-    tie_embeddings: bool = False
-    param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
-    attention: str = "auto"
-    scan_layers: bool = True
-    init_std: float = 0.02
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSeekConfig(ModelConfig):
+    """DeepSeek-V3's own fields beside the shared ones (models/base.ModelConfig): MLA, MoE, MTP, YaRN."""
+    rope_beta_fast: float = field(32.0, "yarn: frequencies turning more often than this within the original context "
+                                        "are kept")
+    rope_beta_slow: float = field(1.0, "yarn: frequencies turning less often than this are divided by rope_factor")
+    rope_mscale: float = field(1.0, "yarn: mscale (the rotated parts are scaled by mscale(factor, rope_mscale) / "
+                                    "mscale(factor, rope_mscale_all_dim))")
+    rope_mscale_all_dim: float = field(1.0, "yarn: the softmax scale is multiplied by (0.1 * rope_mscale_all_dim * "
+                                            "ln(rope_factor) + 1)^2")
+    q_lora_rank: int = field(64, "deepseek MLA: rank of the query down-projection (the q latent)")
+    kv_lora_rank: int = field(32, "deepseek MLA: rank of the key/value down-projection (the kv latent)")
+    qk_nope_head_dim: int = field(32, "deepseek MLA: per-head query/key dimension without RoPE")
+    qk_rope_head_dim: int = field(16, "deepseek MLA: per-head query/key dimension with RoPE (the key part is shared "
+                                      "by all heads)")
+    v_head_dim: int = field(32, "deepseek MLA: per-head value dimension")
+    first_k_dense: int = field(1, "deepseek: the first k layers are dense (SwiGLU of mlp_dim), the rest MoE")
+    num_experts: int = field(8, "deepseek: routed experts per MoE layer")
+    num_experts_per_tok: int = field(2, "deepseek: routed experts each token is sent to (top-k)")
+    num_shared_experts: int = field(1, "deepseek: shared experts every token passes through")
+    moe_mlp_dim: int = field(128, "deepseek: hidden size of each routed and shared expert")
+    n_groups: int = field(1, "deepseek: expert groups for group-limited routing (1 = no grouping)")
+    topk_groups: int = field(1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores")
+    routed_scaling_factor: float = field(1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by "
+                                              "this")
+    router: str = field('deepseek', "deepseek: the MoE router (models/routing.ROUTERS): deepseek (sigmoid scores, "
+                                    "group-limited top-k on scores + a balancing bias) | softmax (softmax top-k, "
+                                    "renormalised gates)")
+    router_bias_update_rate: float = field(0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each "
+                                                  "step bias += gamma * sign(mean load - load)")
+    seq_balance_loss_weight: float = field(0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)")
+    capacity_factor: float = field(0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * "
+                                        "seq_len * top_k / num_experts) tokens per sequence, later ones are dropped")
+    moe_kernel: str = field('auto', "deepseek: the dropless grouped GEMM: auto (tokamax's Triton kernel on GPUs, "
+                                    "XLA's ragged_dot on CPU) | xla | tokamax (models/kernels.py)")
+    mtp_depth: int = field(0, "deepseek: multi-token prediction depth D (0 = off; DeepSeek-V3 trained with 1): D "
+                              "more blocks, each predicting one token further ahead; the layer group \"mtp\"")
+    mtp_loss_weight: float = field(0.3, "deepseek: lambda of multi-token prediction: loss = main loss + lambda / D "
+                                        "x the depths' cross-entropies (DeepSeek-V3: 0.3 early in training, 0.1 "
+                                        "later)")
+    moe_buffer_factor: float = field(0.0, "deepseek, dropless: rows per device = factor x a balanced step's (0 = "
+                                          "the worst case, every choice on this device's experts); choices past it "
+                                          "are dropped and counted in moe/dropped_fraction")
+
+
 
     @property
     def num_moe_layers(self):
