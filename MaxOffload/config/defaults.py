@@ -137,7 +137,7 @@ SCHEMA = {
 # One entry of remat.groups. `remat.groups.NAME.KEY=VALUE` on the command line creates NAME.
 GROUP = {
     "layers": ("", "the layers: a range (0-7, 8-, 5; negative = from the end: -2- = the last two) or a model group "
-                         "(llama: decoder; deepseek: dense, moe)"),
+                         "(llama: decoder; deepseek: dense, moe, and mtp for the multi-token-prediction blocks)"),
     "policy": ("", "a preset for these layers (replaces remat.policy and remat.tensors); empty = inherit"),
     "tensors": {name: ("", "remat | device | offload for these layers; empty = inherit") for name in VOCABULARY},
 }

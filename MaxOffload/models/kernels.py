@@ -3,8 +3,8 @@ GPUs): the grouped GEMM of dropless MoE and fused causal attention; XLA's own op
 cheap (CPU).
 
 Why a kernel: XLA's GPU compiler rewrites `jax.lax.ragged_dot` into a dense dot, the rows expanded over every
-expert (experts x the FLOPs, gigabytes of temporaries; ../shared/REFERENCE.md 2b). tokamax's Pallas-Triton
-`ragged_dot` is a grouped GEMM: one `__gpu$xla.gpu.triton` custom call per product (forward, d lhs, d rhs),
+expert (experts x the FLOPs, gigabytes of temporaries: benchmarks/results/moe_kernels_2026-12-01/). tokamax's
+Pallas-Triton `ragged_dot` is a grouped GEMM: one `__gpu$xla.gpu.triton` custom call per product (forward, d lhs, d rhs),
 temporaries in megabytes, and its work follows the group sizes. It compiles deviceless for H200 / GB200 when
 lowered with tokamax's cross_compile option on and, on jax >= 0.12, with the target GPU as the default
 device (`lowering`). Its "mosaic" implementation refuses a CPU process even then, so Triton it is.
