@@ -147,7 +147,8 @@ def describe_setup(cfg, setup, say):
     if copies:  # what the released checkpoint counts, e.g. DeepSeek-V3's 685B
         summary["params_as_released"] = summary["params_total"] + copies
     released = f" ({_count(summary['params_as_released'])} as released)" if copies else ""
-    active = "" if summary["params_active"] >= summary["params_total"] else \
+    # a sparse model's share (MoE: routed experts); a dense one's differs only by its norms, not worth a word
+    active = "" if summary["params_active"] >= 0.99 * summary["params_total"] else \
         f", {_count(summary['params_active'])} active per token"
     say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters{released}{active}; params + optimizer state "
          f"{_human(summary['state_bytes_per_device'], 'B')} per device "
