@@ -277,7 +277,7 @@ def model_flops_per_device(setup):
     from MaxOffload.train import flops
 
     n, c = setup.mesh.size, setup.model_config
-    batch, seq_len = setup.per_device_batch * n, setup.seq_len
+    batch, seq_len = setup.per_device_batch * setup.micro_batches * n, setup.seq_len  # the whole step's
     try:
         return {k: v / n for k, v in flops.by_component(c, batch, seq_len).items()}
     except NotImplementedError:

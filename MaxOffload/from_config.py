@@ -55,5 +55,6 @@ def train_setup(cfg, devices=None, plan=None):
                            {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()},
                            exchange=cfg.mesh.exchange, tx=optimizer.build(cfg.train),
                            schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
-                           per_device_batch=cfg.train.per_device_batch_size, seed=cfg.run.seed,
+                           per_device_batch=cfg.train.per_device_batch_size,
+                           micro_batches=cfg.train.grad_accum_steps, seed=cfg.run.seed,
                            on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite])

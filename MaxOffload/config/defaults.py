@@ -19,7 +19,10 @@ SCHEMA = {
     },
     "train": {
         "steps": (100, "number of optimizer steps"),
-        "per_device_batch_size": (8, "sequences per device per step"),
+        "per_device_batch_size": (8, "sequences per device per micro-batch (per step when grad_accum_steps=1)"),
+        "grad_accum_steps": (1, "micro-batches per optimizer step: their gradients are summed in float32 inside the "
+                                "step (a scan), then one update; a step trains per_device_batch_size x devices x "
+                                "grad_accum_steps sequences"),
         "seq_len": (256, "tokens per sequence"),
         "learning_rate": (3e-4, "peak learning rate, reached after the warmup"),
         "warmup_steps": (10, "linear warmup from 0 to learning_rate"),

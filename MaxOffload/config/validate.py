@@ -95,7 +95,7 @@ def validate(cfg):
 
     _require(run.output_dir.strip() != "", "run.output_dir is empty; give a directory, e.g. runs/my_run")
     _positive(cfg, "run.log_every", "train.steps", "train.per_device_batch_size", "train.seq_len",
-              "train.eval_batches")
+              "train.eval_batches", "train.grad_accum_steps")
     for key in ("train.learning_rate", "train.weight_decay", "train.grad_clip_norm", "train.adam_eps"):
         value = _get(cfg, key)
         _require(math.isfinite(value) and value >= 0, f"{key} must be a finite number >= 0, got {value}")

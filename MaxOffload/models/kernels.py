@@ -24,6 +24,7 @@ ATTENTION, the values of `model.attention`:
 """
 import contextlib
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -83,25 +84,21 @@ class _QuietMisses(logging.Filter):
         return "Autotuning cache miss" not in record.getMessage()
 
 
-_tokamax = None
-
-
+@functools.cache
 def _import_tokamax():
-    global _tokamax
-    if _tokamax is None:
-        from absl import flags
+    """tokamax, imported once and set up for this process."""
+    from absl import flags
 
-        # tokamax reads its options from absl flags and parses sys.argv itself when nothing has: not our argv
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        import tokamax
+    # tokamax reads its options from absl flags and parses sys.argv itself when nothing has: not our argv
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    import tokamax
 
-        # skip tokamax's check that this process has the GPU it lowers for (the deviceless compile); it must hold
-        # for the whole trace, the custom VJP's backward included, so it is set once, not in a `with` block
-        flags.FLAGS["tokamax_cross_compile"].value = True
-        logging.getLogger("absl").addFilter(_QuietMisses())
-        _tokamax = tokamax
-    return _tokamax
+    # skip tokamax's check that this process has the GPU it lowers for (the deviceless compile); it must hold
+    # for the whole trace, the custom VJP's backward included, so it is set once, not in a `with` block
+    flags.FLAGS["tokamax_cross_compile"].value = True
+    logging.getLogger("absl").addFilter(_QuietMisses())
+    return tokamax
 
 
 def ragged_dot(lhs, rhs, group_sizes, kernel):

@@ -108,6 +108,11 @@ class DecoderModel(nnx.Module):
         if not c.tie_embeddings:
             self.unembed = param(rngs, (c.emb_dim, c.vocab_size), ("embed", "vocab"), pdt, c.init_std)
 
+    def next_model_state(self, statistics):
+        """The model's non-Param variables after a step with these aux "statistics" (additive over micro-batches);
+        unchanged by default (a family with state of its own, e.g. router biases, updates it)."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Not(nnx.Param)))
+
     def target_losses(self, aux, targets, mask):
         """(this family's losses of the targets beyond next-token cross-entropy, added to the objective; aux with
         what they consumed removed and their metrics added). None by default."""

@@ -30,7 +30,7 @@ def _loss_and_grads(setup, params, batch, model_state=None):
     model_state = {} if model_state is None else model_state
     fn = jax.jit(lambda p, m, b: jax.value_and_grad(lambda q: setup.loss(q, m, b)[0])(p),
                  in_shardings=(setup.state_shardings["params"], setup.state_shardings["model_state"],
-                               setup.batch_shardings()))
+                               setup.batch_shardings(step=False)))  # one batch, as the first micro-batch
     return setup.compile(fn, params, model_state, batch)(params, model_state, batch)
 
 

@@ -405,7 +405,8 @@ def cache_key(cfg, target, topology, device_count=None):
     import jax
 
     relevant = {k: cfg[k].to_dict() for k in ("model", "remat", "mesh", "offload", "xla")}
-    relevant.update(batch=cfg.train.per_device_batch_size, seq_len=cfg.train.seq_len,
+    relevant.update(batch=cfg.train.per_device_batch_size, micro_batches=cfg.train.grad_accum_steps,
+                    seq_len=cfg.train.seq_len,
                     mem_fraction=cfg.launch.mem_fraction, target=target, topology=topology,
                     devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,
                     constants=[hardware.CALIBRATION, ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])

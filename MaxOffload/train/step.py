@@ -64,16 +64,18 @@ class TrainSetup:
     """
 
     def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
-                 on_nonfinite=skip_nonfinite):
+                 micro_batches=1, on_nonfinite=skip_nonfinite):
         """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
         plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
-        tx, schedule: the optax optimizer and its learning-rate schedule; on_nonfinite: skip_nonfinite or
-        halt_on_nonfinite. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
+        tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
+        (gradient accumulation; a step's batch is then [micro_batches, rows, seq_len]); on_nonfinite:
+        skip_nonfinite or halt_on_nonfinite. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
         self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
                           schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
-                          on_nonfinite=on_nonfinite)
+                          micro_batches=micro_batches, on_nonfinite=on_nonfinite)
         self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
         self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
+        self.micro_batches = micro_batches
         self.layout = ParallelLayout.of(mesh, rules, exchange)  # handed to the model, once
         self.compiler_options = xla.compiler_options(plan.xla_preset)  # every compile of the step gets the preset
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
@@ -98,7 +100,11 @@ class TrainSetup:
                                                transform_non_params=lambda _: replicated),
             "model_state": jax.tree.map(lambda _: replicated, self.abstract_state["model_state"]),
         }
+        self.param_shardings = param_shardings  # in HBM: where gradients are accumulated
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
+        # a step's batch: one batch, or its micro-batches stacked in front (not sharded)
+        self.step_batch_sharding = self.batch_sharding if micro_batches == 1 else \
+            NamedSharding(mesh, PartitionSpec(None, *self.batch_sharding.spec))
         context = logical.ways(mesh, self.batch_sharding.spec[1])
         if seq_len % context:
             raise ConfigError(f"train.seq_len={seq_len} is not divisible by the {context}-way sharding of "
@@ -127,17 +133,51 @@ class TrainSetup:
         variables, applied after the step) and what its family's `target_losses` consumes."""
         return _outputs(nnx.merge(self.graphdef, params, model_state), inputs)
 
-    def loss(self, params, model_state, batch):
+    def loss(self, params, model_state, batch, count=None, micro_batches=1):
         """(objective, aux): mean next-token cross-entropy + the model's aux_loss + its family's losses of the
-        targets (models/stack.DecoderModel.target_losses, e.g. DeepSeek-V3's weighted multi-token prediction)."""
+        targets (models/stack.DecoderModel.target_losses, e.g. DeepSeek-V3's weighted multi-token prediction).
+        One micro-batch of a step: `count` is the whole step's number of target positions, and the other terms
+        are divided by `micro_batches`, so that the micro-batches' objectives sum to the step's."""
         model = nnx.merge(self.graphdef, params, model_state)
         logits, aux = _outputs(model, batch["inputs"])
-        total, count = masked_cross_entropy(logits, batch["targets"], batch["mask"])
+        total, own = masked_cross_entropy(logits, batch["targets"], batch["mask"])
         extra, aux = model.target_losses(aux, batch["targets"], batch["mask"])
-        return total / jnp.maximum(count, 1.0) + aux.get("aux_loss", 0.0) + extra, aux
+        count = jnp.maximum(own, 1.0) if count is None else count
+        return total / count + aux.get("aux_loss", 0.0) / micro_batches + extra / micro_batches, aux
+
+    def gradients(self, params, model_state, batch):
+        """(objective, aux, gradients) of a step's batch: one batch, or (micro_batches > 1) a scan over its
+        micro-batches [k, rows, seq_len] accumulating float32 gradients in HBM with the parameters' sharding. Over
+        micro-batches the metrics are averaged, the model's statistics summed and its new state computed once
+        from them (e.g. the router biases from the whole step's expert loads), as one batch of k x rows would."""
+        if self.micro_batches == 1:
+            (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, model_state, batch)
+            return loss, aux, grads
+        k = self.micro_batches
+        count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+        grad_fn = jax.value_and_grad(lambda p, b: self.loss(p, model_state, b, count, k), has_aux=True)
+
+        def micro(carry, micro_batch):
+            (loss, aux), grads = grad_fn(params, micro_batch)
+            loss, metrics, statistics, summed = jax.tree.map(
+                jnp.add, carry, (loss, f32(aux.get("metrics", {})), aux.get("statistics", []), f32(grads)))
+            return (loss, metrics, statistics, jax.lax.with_sharding_constraint(summed, self.param_shardings)), None
+
+        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))
+        (_, aux_shape), grad_shape = shapes
+        zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)  # noqa: E731
+        start = (jnp.zeros((), jnp.float32), zeros(aux_shape.get("metrics", {})),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape.get("statistics", [])),
+                 zeros(grad_shape))
+        (loss, metrics, statistics, grads), _ = jax.lax.scan(micro, start, batch)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        model = nnx.merge(self.graphdef, params, model_state)
+        aux = {"metrics": jax.tree.map(lambda m: m / k, metrics), "model_state": model.next_model_state(statistics)}
+        return loss, aux, grads
 
     def train_step(self, state, batch):
-        (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state["params"], state["model_state"], batch)
+        loss, aux, grads = self.gradients(state["params"], state["model_state"], batch)
         # Host-resident state visits HBM for the elementwise update only; the out_shardings
         # send the results back to pinned host memory.
         params = to_device(state["params"], self.plan.params_on_host)
@@ -171,14 +211,18 @@ class TrainSetup:
         logits, _ = self.forward(params, model_state, batch["inputs"])
         return masked_cross_entropy(logits, batch["targets"], batch["mask"])
 
-    def abstract_batch(self):
-        """Shapes, dtypes and shardings of one global batch (see MaxOffload.data)."""
+    def abstract_batch(self, step=True):
+        """Shapes, dtypes and shardings of one global batch (see MaxOffload.data): a step's (its micro-batches
+        stacked in front when there are several), or (step=False) one batch, as evaluation takes."""
         shape = (self.per_device_batch * self.mesh.size, self.seq_len)
+        shape, sharding = ((self.micro_batches, *shape), self.step_batch_sharding) \
+            if step and self.micro_batches > 1 else (shape, self.batch_sharding)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
-        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in dtypes.items()}
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, dtype in dtypes.items()}
 
-    def batch_shardings(self):
-        return {"inputs": self.batch_sharding, "targets": self.batch_sharding, "mask": self.batch_sharding}
+    def batch_shardings(self, step=True):
+        sharding = self.step_batch_sharding if step else self.batch_sharding
+        return {"inputs": sharding, "targets": sharding, "mask": sharding}
 
     def jitted_train_step(self):
         """The training step under jit with explicit shardings; the state is donated."""
@@ -203,13 +247,22 @@ class TrainSetup:
 
     def compile_eval_step(self):
         jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"],
-                                                       self.state_shardings["model_state"], self.batch_shardings()))
+                                                       self.state_shardings["model_state"],
+                                                       self.batch_shardings(step=False)))
         return self.compile(jitted, self.abstract_state["params"], self.abstract_state["model_state"],
-                            self.abstract_batch())
+                            self.abstract_batch(step=False))
 
     def put_batch(self, batch):
         """This process's rows of a global batch -> global arrays sharded over the batch axes."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+    def put_step_batch(self, batches):
+        """This process's rows of a step's micro-batches (a list of `micro_batches` batches) -> the step's global
+        arrays: the batch itself for one, else the micro-batches stacked in front."""
+        if self.micro_batches == 1:
+            return self.put_batch(batches[0])
+        return {k: jax.make_array_from_process_local_data(self.step_batch_sharding, np.stack([b[k] for b in batches]))
+                for k in batches[0]}
 
     def state_bytes_per_device(self, memory_kind=None):
         """Bytes of params + optimizer state per device under the state shardings (in one memory kind)."""

@@ -137,7 +137,7 @@ def run(cfg, plan, devices=None):
 
 def describe_setup(cfg, setup, say):
     devices = list(setup.mesh.devices.flat)
-    global_batch = cfg.train.per_device_batch_size * len(devices)
+    global_batch = cfg.train.per_device_batch_size * len(devices) * cfg.train.grad_accum_steps
     summary = {"params_total": setup.params_total(), "params_active": setup.model_config.active_params(),
                "state_bytes_per_device": setup.state_bytes_per_device(),
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
@@ -266,7 +266,9 @@ class Training:
             window = Window(cfg.profile.mode, cfg.profile.start_step, cfg.profile.num_steps,
                             os.path.join(cfg.run.output_dir, "profile"), self.say)
             stack.callback(window.stop)
-            loop = Loop(train_step, lambda index: setup.put_batch(self.data.train_batch(index)))
+            k = setup.micro_batches  # a step's micro-batches: a pure function of (seed, step), as one batch is
+            loop = Loop(train_step, lambda index: setup.put_step_batch([self.data.train_batch(index * k + i)
+                                                                        for i in range(k)]))
             self.hooks = Hooks(self, loop, checkpointer, evaluate, logger, window)
             if window.starts_at(start + 1):
                 window.start()
