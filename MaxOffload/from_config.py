@@ -38,8 +38,14 @@ def static_plan(cfg):
 
 
 def model(cfg, plan=None, rngs=None):
-    """cfg's model with freshly initialised parameters (under jax.eval_shape for shapes only)."""
-    return models.build(models.model_config(cfg.model), plan if plan is not None else static_plan(cfg),
+    """cfg's model with freshly initialised parameters (under jax.eval_shape for shapes only), its kernels chosen
+    for this process's devices."""
+    import jax
+
+    from MaxOffload.models import kernels
+
+    config = kernels.for_platform(models.model_config(cfg.model), kernels.platform(jax.devices()[0]))
+    return models.build(config, plan if plan is not None else static_plan(cfg),
                         rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed))
 
 

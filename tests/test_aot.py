@@ -259,3 +259,20 @@ def test_attention_kernels_compile_for_gpus_without_the_score_square():
             assert "__gpu$xla.gpu.triton" in text
         else:
             assert work["counted_kernels"] == {} and xla_work_multiple(length) / 2 == pytest.approx(0.72, abs=0.01)
+
+
+def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_batch_memory(reports, tmp_path):
+    """train.grad_accum_steps=2 of 2 sequences against the fixture's one batch of 4: the same matmul work and
+    no recompute (the accumulation loop adds none), offloaded bytes of one micro-batch, not the step's."""
+    extra = ["remat.tensors.mlpwi_0=offload", "remat.tensors.query_proj=offload"]
+    result = run_cli(["-m", "MaxOffload.aot", *TINY, "train.per_device_batch_size=2", "train.grad_accum_steps=2",
+                      "remat.policy=custom", *extra, "--target", "gb200", "--topology", "1x1x4",
+                      f"run.output_dir={tmp_path}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    micro = json.loads((tmp_path / "aot_report.json").read_text())
+    whole = reports["custom"]
+    assert micro["compiled_work"]["model_flops"] == pytest.approx(whole["compiled_work"]["model_flops"], rel=1e-6)
+    assert micro["compiled_work"]["compiled_matmul_flops"] == pytest.approx(
+        whole["compiled_work"]["compiled_matmul_flops"], rel=0.02)
+    assert micro["compiled_work"]["ratio"] == pytest.approx(whole["compiled_work"]["ratio"], rel=0.02)
+    assert micro["host_temp_bytes_per_device"] == pytest.approx(whole["host_temp_bytes_per_device"] / 2, rel=0.05)

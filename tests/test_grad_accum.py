@@ -43,6 +43,10 @@ def test_micro_batches_are_one_batch_under_fsdp_on_eight_devices():
     assert_one_batch(check(CASES, devices=8, extra=["mesh.ici.fsdp=8"]))
 
 
+
+
+
+@pytest.mark.once  # resume itself runs on both stacks in test_checkpoint.py
 def test_a_preempted_accumulating_run_resumes_bit_identically(tmp_path):
     args = [*TINY, "train.per_device_batch_size=1", "train.grad_accum_steps=2", "train.steps=16",
             "checkpoint.every_steps=4"]
@@ -67,6 +71,7 @@ def test_one_micro_batch_is_a_different_run_than_two(tmp_path):
     assert found[1] != found[2]
 
 
+@pytest.mark.once
 def test_grad_accum_steps_must_be_positive(tmp_path):
     result = run_cli(["train.py", *TINY, "train.grad_accum_steps=0", f"run.output_dir={tmp_path}"])
     assert result.returncode == 2

@@ -418,7 +418,7 @@ def test_plan_explicit_settings(monkeypatch):
 def test_roll_call_knows_the_coordinator_under_slurm(monkeypatch):
     """The missing-peer line needs the address JAX's Slurm detection will use: the first node, a port from the
     job id (JAX's ephemeral range)."""
-    from MaxOffload.parallel.distributed import _identity, plan
+    from MaxOffload.parallel.distributed import _identity, process_args
 
     slurm_env(monkeypatch, **SLURM_STEP, SLURM_NTASKS="8", SLURM_TASKS_PER_NODE="4(x2)")
     assert _identity(process_args(distributed_cfg())) == (f"gb001:{4242 % 4096 + 61440}", 1, 8)
