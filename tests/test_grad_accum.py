@@ -43,9 +43,6 @@ def test_micro_batches_are_one_batch_under_fsdp_on_eight_devices():
     assert_one_batch(check(CASES, devices=8, extra=["mesh.ici.fsdp=8"]))
 
 
-
-
-
 @pytest.mark.once  # resume itself runs on both stacks in test_checkpoint.py
 def test_a_preempted_accumulating_run_resumes_bit_identically(tmp_path):
     args = [*TINY, "train.per_device_batch_size=1", "train.grad_accum_steps=2", "train.steps=16",
