@@ -46,7 +46,7 @@ def main(argv):
         if cfg.xla.preset != "baseline":
             print(f"xla.preset={cfg.xla.preset}: the step compiles with {' '.join(xla.preset_flags(cfg.xla.preset))}",
                   flush=True)
-    from MaxOffload.offload.planner import resolve
+    from MaxOffload.offload.planner import plan_for
 
     devices = None
     if cfg.run.dry_run and cfg.remat.policy == "auto":
@@ -56,10 +56,10 @@ def main(argv):
         deviceless.require_plugin("remat.policy=auto with run.dry_run=true plans for aot.target")
         print(f"remat.policy=auto: planning for aot.target={cfg.aot.target} aot.topology={cfg.aot.topology} "
               "(dry run: the launch's GPUs, compiled deviceless)", flush=True)
-        plan = resolve(cfg, cfg.aot.target, cfg.aot.topology)
+        plan = plan_for(cfg, cfg.aot.target, cfg.aot.topology)
         devices = deviceless.compile_only_devices(cfg.aot.target, cfg.aot.topology)
     else:
-        plan = resolve(cfg)  # the OffloadPlan; remat.policy=auto: planned once per config, cached
+        plan = plan_for(cfg)  # the OffloadPlan; remat.policy=auto: planned once per config, cached
     from MaxOffload.train.trainer import run
 
     return run(cfg, plan, devices)

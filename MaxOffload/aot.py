@@ -37,11 +37,12 @@ def build_report(cfg, plan, target, topology):
     from MaxOffload.offload import xla_bugs
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.parallel.mesh import describe as mesh_describe
-    from MaxOffload.train.step import HOST, TrainSetup
+    from MaxOffload import from_config
+    from MaxOffload.train.step import HOST
 
     accelerator = hardware.ACCELERATORS[target]
     devices = compile_only_devices(target, topology)
-    setup = TrainSetup(cfg, plan, devices)
+    setup = from_config.train_setup(cfg, devices, plan)
     groups, problems, _ = activation_groups(cfg, setup)
     started = time.perf_counter()
     compiled = setup.compile_train_step()
@@ -118,9 +119,9 @@ def main(argv):
     cfg = load(argv)
     require_plugin()
     xla.apply(cfg)
-    from MaxOffload.offload.planner import resolve
+    from MaxOffload.offload.planner import plan_for
 
-    plan = resolve(cfg, cfg.aot.target, cfg.aot.topology)  # remat.policy=auto: planned for this target
+    plan = plan_for(cfg, cfg.aot.target, cfg.aot.topology)  # remat.policy=auto: planned for this target
     try:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
     except OSError as e:

@@ -277,7 +277,7 @@ def model_flops_per_device(setup):
     from MaxOffload.train import flops
 
     n, c = setup.mesh.size, setup.model_config
-    batch, seq_len = setup.cfg.train.per_device_batch_size * n, setup.cfg.train.seq_len
+    batch, seq_len = setup.per_device_batch * setup.micro_batches * n, setup.seq_len  # the whole step's
     try:
         return {k: v / n for k, v in flops.by_component(c, batch, seq_len).items()}
     except NotImplementedError:
@@ -293,7 +293,7 @@ def work_multiples(setup):
     multiples = dict(c.compiled_work_multiples())
     if hasattr(c, "attention") and hasattr(c, "attention_dims"):
         _, _, qk_dim, v_dim = c.attention_dims()
-        multiples[components.ATTENTION_SCORES] = layers.attention_work_multiple(c.attention, setup.cfg.train.seq_len,
+        multiples[components.ATTENTION_SCORES] = layers.attention_work_multiple(c.attention, setup.seq_len,
                                                                                 qk_dim, v_dim)
     return multiples
 

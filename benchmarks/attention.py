@@ -50,7 +50,7 @@ def attention_fn(impl, on):
         return square
     if impl == "xla":
         return lambda q, k, v: layers.causal_attention(q, k, v, scale)
-    kernel = kernels.resolve_attention("flash", on)
+    kernel = kernels.attention_for("flash", on)
     return lambda q, k, v: kernels.flash_attention(q, k, v, q.shape[-1] ** -0.5, kernel)
 
 

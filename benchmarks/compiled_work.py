@@ -43,7 +43,7 @@ def main(argv):
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()
-    from MaxOffload import audit, resolve, xla
+    from MaxOffload import audit, from_config, xla
     from MaxOffload.config import load
     from MaxOffload.deviceless import compile_only_devices, require_plugin
     from MaxOffload.memory import compiled_bytes
@@ -57,7 +57,7 @@ def main(argv):
     rows = []
     for name, overrides in VARIANTS.items():
         cfg = load(base + overrides)
-        setup = resolve.train_setup(cfg, compile_only_devices(cfg.aot.target, cfg.aot.topology))
+        setup = from_config.train_setup(cfg, compile_only_devices(cfg.aot.target, cfg.aot.topology))
         print(f"compiling {name} for {cfg.aot.topology} x {cfg.aot.target} (deviceless) ...", flush=True)
         compiled = setup.compile_train_step()
         report = audit.of_compiled(compiled, setup)

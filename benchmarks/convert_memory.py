@@ -45,7 +45,7 @@ def status():
 kind, source, out, *rest = sys.argv[1:]
 if kind == "from-hf":
     hf = HFCheckpoint(source)
-    cfg, family, _ = importer.resolve_config(hf, rest[0], rest[1:])
+    cfg, family, _ = importer.merged_config(hf, rest[0], rest[1:])
     def convert():
         importer.convert(hf, cfg, family, out)
         rundir.write_config(out, cfg.to_dict(), lambda _: None)  # the model's config, for to-hf
@@ -79,7 +79,7 @@ def synthesize(cfg, directory, shard_bytes):
     from MaxOffload.convert.exporter import hf_tensors
     from MaxOffload.convert.hf_files import CONFIG as HF_CONFIG, ShardWriter
 
-    c = models.model_config(cfg)
+    c = models.model_config(cfg.model)
     family, leaves = models.family_of(c), models.weight_leaves(c)
     rng = np.random.default_rng(0)
 
@@ -102,7 +102,7 @@ def layer_bytes(cfg):
 
     from MaxOffload import models
 
-    c = models.model_config(cfg)
+    c = models.model_config(cfg.model)
     leaves, per_group = models.weight_leaves(c), {}
     for group in models.family_of(c).hf.groups(c):
         for rule in group.rules:

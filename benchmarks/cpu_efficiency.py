@@ -37,10 +37,10 @@ def main():
 
     from MaxOffload import data as data_lib
     from MaxOffload.train.flops import train_flops_per_step
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
     devices = jax.devices()
-    setup = resolve.train_setup(cfg, devices)
+    setup = from_config.train_setup(cfg, devices)
     data = data_lib.build(cfg)
     global_batch = cfg.train.per_device_batch_size * len(devices)
     flops_per_step = train_flops_per_step(setup.model_config, global_batch, cfg.train.seq_len)

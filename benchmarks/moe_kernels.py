@@ -5,7 +5,7 @@ DeepSeek-V3's expert shapes at EP8: 32 local experts, emb 7168, moe_mlp 2048; a 
 are the balanced share of the gathered choices (batch 1 x tokens x top-8 per device, all-gathered over 8 expert
 ranks, 1/8 of them on this device's experts) times 1.25: the capacity factor of capacity mode, the dispatch
 buffer (model.moe_buffer_factor) of dropless mode. One MoE layer's expert block, forward + backward: gate and up
-[rows, 7168] x [32, 7168, 2048], down [rows, 2048] x [32, 2048, 7168], each through models/moe.grouped_matmul:
+[rows, 7168] x [32, 7168, 2048], down [rows, 2048] x [32, 2048, 7168], each through models/matmul.grouped:
 
     capacity    batched GEMM over [experts, capacity rows, emb] (capacity mode)
     xla         jax.lax.ragged_dot (dropless; XLA's GPU compiler makes it a dense dot over every expert)
@@ -36,13 +36,13 @@ def expert_block(impl, on):
     import jax
     import jax.numpy as jnp
 
-    from MaxOffload.models import kernels, moe
+    from MaxOffload.models import kernels, matmul
 
-    kernel = "xla" if impl == "capacity" else kernels.resolve("xla" if impl == "xla" else "tokamax", on)
+    kernel = "xla" if impl == "capacity" else kernels.grouped_gemm_for("xla" if impl == "xla" else "tokamax", on)
 
     def loss(rows, wi_0, wi_1, wo, sizes):
         capacity = rows.shape[0] // wi_0.shape[0] if impl == "capacity" else 0
-        mm = lambda a, w: moe.grouped_matmul(a, w, sizes, capacity, kernel)  # noqa: E731
+        mm = lambda a, w: matmul.grouped(a, w, sizes, capacity, kernel, matmul.Numerics())  # noqa: E731
         h = jax.nn.silu(mm(rows, wi_0)) * mm(rows, wi_1)
         return jnp.sum(mm(h, wo).astype(jnp.float32))
 

@@ -47,14 +47,14 @@ cfg = load(argv)
 xla.apply(cfg)
 target, topology = (cfg.aot.target, cfg.aot.topology) if deviceless else (None, None)
 from MaxOffload.offload import planner
-from MaxOffload import models, resolve
+from MaxOffload import models, from_config
 from MaxOffload.train import flops
 row = {}
 if target:
     from MaxOffload import hardware, timeline
     from MaxOffload.memory import compiled_bytes
-    plan = planner.resolve(cfg, target, topology, log=lambda *a: None)
-    setup = resolve.train_setup(cfg, planner._target_devices(target, topology), plan)
+    plan = planner.plan_for(cfg, target, topology, log=lambda *a: None)
+    setup = from_config.train_setup(cfg, planner._target_devices(target, topology), plan)
     compiled = setup.compile_train_step()
     hbm, host = compiled_bytes(compiled.memory_analysis())
     predicted = timeline.of_compiled(compiled, setup, timeline.Rates.of(hardware.ACCELERATORS[target], topology))[0]
@@ -64,21 +64,18 @@ if target:
                xla_preset=plan.xla_preset)
 else:
     import jax
-    from MaxOffload.parallel import logical
-    setup = resolve.train_setup(cfg, plan=planner.resolve(cfg, log=lambda *a: None))
+    setup = from_config.train_setup(cfg, plan=planner.plan_for(cfg, log=lambda *a: None))
     state = setup.init_state()
     batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
-    step = setup.jitted_train_step()
-    with logical.activate(setup.mesh, setup.rules):
-        compiled = step.lower(state, batch).compile()
-        state, m = step(state, batch); jax.block_until_ready(m)
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter(); state, m = step(state, batch); jax.block_until_ready(m)
-            times.append(time.perf_counter() - t)
+    step = compiled = setup.compile_train_step()  # with the plan's XLA preset
+    state, m = step(state, batch); jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter(); state, m = step(state, batch); jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
     step_s = sorted(times)[len(times) // 2]
     n = setup.mesh.size
-    f = flops.train_flops_per_step(models.model_config(cfg), cfg.train.per_device_batch_size * n, cfg.train.seq_len)
+    f = flops.train_flops_per_step(models.model_config(cfg.model), cfg.train.per_device_batch_size * n, cfg.train.seq_len)
     from MaxOffload.memory import compiled_bytes
     hbm, host = compiled_bytes(compiled.memory_analysis())
     stats = jax.devices()[0].memory_stats() or {}
@@ -95,9 +92,9 @@ def offload_policy(argv):
 
     cfg = load(argv)
     if cfg.remat.policy not in ("auto",):
-        from MaxOffload import resolve
+        from MaxOffload import from_config
 
-        if resolve.static_plan(cfg).offloads_activations:
+        if from_config.static_plan(cfg).offloads_activations:
             return []
     return ["remat.policy=minimal_offloaded"] + [f"remat.tensors.{n}=" for n, v in cfg.remat.tensors.items() if v]
 

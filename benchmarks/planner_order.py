@@ -39,31 +39,28 @@ def _main(argv):
 
     from MaxOffload.config import load
     from MaxOffload.offload import planner
-    from MaxOffload.parallel import logical
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
     argv = argv if argv and "=" not in argv[0] else DEFAULT + argv  # no config given: the default model
     runs = {}
     for name in policies.split(","):
         cfg = load(argv + [f"remat.policy={name}"])
-        plan = planner.resolve(cfg, log=lambda *a: None)
-        setup = resolve.train_setup(cfg, plan=plan)
+        plan = planner.plan_for(cfg, log=lambda *a: None)
+        setup = from_config.train_setup(cfg, plan=plan)
         state = setup.init_state()
         batch = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), setup.abstract_batch())
-        step = setup.jitted_train_step()
-        with logical.activate(setup.mesh, setup.rules):
-            state, metrics = step(state, batch)  # compile + warm up
-            jax.block_until_ready(metrics)
+        step = setup.compile_train_step()
+        state, metrics = step(state, batch)  # warm up
+        jax.block_until_ready(metrics)
         runs[name] = {"setup": setup, "step": step, "state": state, "batch": batch, "times": [],
                       "predicted": planner.predict(cfg, offload_plan=plan).step_time()}
         print(f"{name}: compiled", flush=True)
     for _ in range(int(rounds)):
         for run in runs.values():
-            with logical.activate(run["setup"].mesh, run["setup"].rules):
-                started = time.perf_counter()
-                run["state"], metrics = run["step"](run["state"], run["batch"])
-                jax.block_until_ready(metrics)
-                run["times"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            run["state"], metrics = run["step"](run["state"], run["batch"])
+            jax.block_until_ready(metrics)
+            run["times"].append(time.perf_counter() - started)
     print(f"{'policy':<10} {'predicted':>10} {'measured':>10}  (median of {rounds}, interleaved)")
     for name, run in runs.items():
         run["measured"] = statistics.median(run["times"])

@@ -53,7 +53,7 @@ def compile_variant(name, target, plan_auto=False):
     """The optimized HLO text of one variant's step, compiled deviceless for `target`; `plan_auto`: the auto row
     as the planner plans it now (else as it was measured in 2026-11)."""
     from benchmarks.gpu.offload_check import MODEL, OFFLOAD
-    from MaxOffload import deviceless, resolve
+    from MaxOffload import deviceless, from_config
     from MaxOffload.config import load
     from MaxOffload.offload import planner
 
@@ -62,7 +62,7 @@ def compile_variant(name, target, plan_auto=False):
     cfg = load([*MODEL, *(OFFLOAD if overrides == "OFFLOAD" else overrides), f"xla.preset={preset}",
                 "model.attention=xla"])
     devices = deviceless.compile_only_devices(target, "1x1x1")
-    setup = resolve.train_setup(cfg, devices, planner.resolve(cfg, target, "1x1x1", log=lambda *a: None))
+    setup = from_config.train_setup(cfg, devices, planner.plan_for(cfg, target, "1x1x1", log=lambda *a: None))
     return setup.compile_train_step().as_text()
 
 

@@ -154,11 +154,11 @@ def test_a_preset_reaches_the_compiled_step(tmp_path):
     import dataclasses
     import re
 
-    from MaxOffload import deviceless, resolve
+    from MaxOffload import deviceless, from_config
     from MaxOffload.config import load
 
     cfg = load([*TINY, "remat.policy=minimal_offloaded", f"run.output_dir={tmp_path}"])
-    setup = resolve.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
+    setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
 
     def trips(plan):
         text = setup.with_plan(plan).compile_train_step().as_text()
@@ -230,12 +230,12 @@ def test_dropless_experts_compile_to_the_grouped_gemm_kernel_on_gpus(tmp_path):
 
 def _attention_step(attention, length):
     """(compiled GB200 step text, its audit, temporaries) of a 2-layer Llama under model.attention=attention."""
-    from MaxOffload import audit, deviceless, resolve
+    from MaxOffload import audit, deviceless, from_config
     from MaxOffload.config import load
 
     cfg = load(["configs/llama3_1.py:tiny", f"train.seq_len={length}", "train.per_device_batch_size=1",
                 "remat.policy=save_all", f"model.attention={attention}", "run.output_dir=/tmp/maxoffload_attention"])
-    setup = resolve.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x4"))
+    setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x4"))
     compiled = setup.compile_train_step()
     return compiled.as_text(), audit.of_compiled(compiled, setup), compiled.memory_analysis().temp_size_in_bytes
 
@@ -259,3 +259,20 @@ def test_attention_kernels_compile_for_gpus_without_the_score_square():
             assert "__gpu$xla.gpu.triton" in text
         else:
             assert work["counted_kernels"] == {} and xla_work_multiple(length) / 2 == pytest.approx(0.72, abs=0.01)
+
+
+def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_batch_memory(reports, tmp_path):
+    """train.grad_accum_steps=2 of 2 sequences against the fixture's one batch of 4: the same matmul work and
+    no recompute (the accumulation loop adds none), offloaded bytes of one micro-batch, not the step's."""
+    extra = ["remat.tensors.mlpwi_0=offload", "remat.tensors.query_proj=offload"]
+    result = run_cli(["-m", "MaxOffload.aot", *TINY, "train.per_device_batch_size=2", "train.grad_accum_steps=2",
+                      "remat.policy=custom", *extra, "--target", "gb200", "--topology", "1x1x4",
+                      f"run.output_dir={tmp_path}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    micro = json.loads((tmp_path / "aot_report.json").read_text())
+    whole = reports["custom"]
+    assert micro["compiled_work"]["model_flops"] == pytest.approx(whole["compiled_work"]["model_flops"], rel=1e-6)
+    assert micro["compiled_work"]["compiled_matmul_flops"] == pytest.approx(
+        whole["compiled_work"]["compiled_matmul_flops"], rel=0.02)
+    assert micro["compiled_work"]["ratio"] == pytest.approx(whole["compiled_work"]["ratio"], rel=0.02)
+    assert micro["host_temp_bytes_per_device"] == pytest.approx(whole["host_temp_bytes_per_device"] / 2, rel=0.05)

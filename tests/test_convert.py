@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.cli import run
 from MaxOffload.config.loader import load
 from MaxOffload.convert.__main__ import main
@@ -32,7 +32,7 @@ def saved_run(tmp, spec, overrides, seed):
     Checkpointer train.py uses, and its config.json. Returns (run dir, setup, the state's weights)."""
     out = os.path.join(tmp, "run")
     cfg = load([spec, *overrides, f"run.output_dir={out}", f"run.seed={seed}"])
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     state = setup.init_state()
     keys = iter(jax.random.split(jax.random.key(seed), 64))
     state["model_state"] = jax.tree.map(lambda b: jax.random.normal(next(keys), b.shape, b.dtype) * 0.1,
@@ -155,7 +155,7 @@ def test_fp8_weights_are_dequantised_by_their_block_scales(exported, tmp_path):
                             lambda name, value: [(name, dequantized.get(name, value))])
     original = HFCheckpoint(hf_dir).raw(next(iter(dequantized)))
     assert not np.array_equal(dequantized[next(iter(dequantized))], original)  # the quantisation did something
-    setup = resolve.train_setup(load([spec, *overrides]))
+    setup = from_config.train_setup(load([spec, *overrides]))
     imported = {}
     for label, directory in (("fp8", fp8_dir), ("reference", reference_dir)):
         out = str(tmp_path / f"weights_{label}")

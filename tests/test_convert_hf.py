@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.config.loader import load
 from MaxOffload.train.checkpoint import load_params
 
@@ -47,7 +47,7 @@ def imported(request, tmp_path_factory):
 def our_logits(command, out):
     """The logits of the imported weights under the printed command's config, computed in float32."""
     config = [a for a in command[2:] if not a.startswith("checkpoint.load_params_from=")]
-    setup = resolve.train_setup(load([*config, "model.compute_dtype=float32"]))
+    setup = from_config.train_setup(load([*config, "model.compute_dtype=float32"]))
     weights, _ = load_params(out, setup)
     logits, _ = jax.jit(setup.forward)(weights["params"], weights["model_state"], TOKENS)
     return np.asarray(logits)

@@ -17,10 +17,10 @@ from flax import nnx
 
 from conftest import ROOT, process_env
 from test_model import checkpoint_names  # the jaxpr walker, itself tested there
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload import models
 from MaxOffload.config import ConfigError, load
-from MaxOffload.models import deepseek, kernels, moe
+from MaxOffload.models import deepseek, kernels, matmul, moe, routing
 from MaxOffload.train.flops import train_flops_per_step
 
 EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -170,7 +170,7 @@ def test_yarn_frequencies_match_reference(dim, base, factor, orig):
 
 
 def test_deepseek_v3_attention_scale_and_rope_amplitude():
-    c = models.model_config(load(["configs/deepseek_v3.py:671b"]))
+    c = models.model_config(load(["configs/deepseek_v3.py:671b"]).model)
     _, amplitude, scale = deepseek.rope_setup(c)
     assert amplitude == 1.0  # mscale == mscale_all_dim
     assert scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(128 + 64), rel=1e-12)
@@ -186,7 +186,7 @@ def test_mla_matches_naive_reference():
     inv_freq = deepseek.yarn_inv_freq(rope, 10000.0, 4.0, 4, 32.0, 1.0)
     mla = deepseek.MLA(emb_dim=d, num_heads=h, q_lora_rank=ql, kv_lora_rank=kl, qk_nope_head_dim=nope,
                        qk_rope_head_dim=rope, v_head_dim=vd, inv_freq=inv_freq, rope_amplitude=1.3,
-                       softmax_scale=0.37, norm_eps=1e-6, param_dtype=jnp.float32, compute_dtype=jnp.float32,
+                       softmax_scale=0.37, norm_eps=1e-6, param_dtype=jnp.float32, numerics=matmul.Numerics("float32"),
                        init_std=0.3, rngs=nnx.Rngs(params=1))
     mla.q_norm.scale[...] = jnp.asarray(rand(rng, ql)) + 1
     mla.kv_norm.scale[...] = jnp.asarray(rand(rng, kl)) + 1
@@ -278,9 +278,12 @@ def test_sequence_balance_loss_by_hand():
 
 
 def make_moe(rng_seed=0, capacity_factor=0.0, num_shared=1, **kw):
-    args = dict(emb_dim=16, num_experts=6, top_k=2, mlp_dim=12, num_shared=num_shared, n_groups=1, topk_groups=1,
-                scaling=2.5, capacity_factor=capacity_factor, param_dtype=jnp.float32, compute_dtype=jnp.float32,
+    args = dict(emb_dim=16, num_experts=6, mlp_dim=12, num_shared=num_shared,
+                router=routing.DeepSeekRouter(top_k=2, n_groups=1, topk_groups=1, scaling=2.5),
+                capacity_factor=capacity_factor, param_dtype=jnp.float32, numerics=matmul.Numerics("float32"),
                 init_std=0.3)
+    if "kernel" in kw:
+        kw["kernel"] = kernels.grouped_gemm_for(kw["kernel"], "cpu")
     args.update(kw)
     return moe.MoE(**args, rngs=nnx.Rngs(params=rng_seed))
 
@@ -294,8 +297,8 @@ def ref_moe(layer, x, kept=lambda b, t, c, e: True):
     for b, t in itertools.product(range(x.shape[0]), range(x.shape[1])):
         xt = x[b, t].astype(np.float64)
         s = sigmoid(xt @ router)
-        chosen = np.argsort(-(s + bias))[:layer.top_k]
-        gates = s[chosen] / s[chosen].sum() * layer.scaling
+        chosen = np.argsort(-(s + bias))[:layer.routing.top_k]
+        gates = s[chosen] / s[chosen].sum() * layer.routing.scaling
         for c, (e, g) in enumerate(zip(chosen, gates)):
             if kept(b, t, c, e):
                 out[b, t] += g * (silu(xt @ wi_0[e]) * (xt @ wi_1[e])) @ wo[e]
@@ -330,8 +333,8 @@ def test_tokamax_grouped_gemm_equals_ragged_dot_values_and_gradients():
     assert np.all(np.asarray(y_tokamax)[17:] == 0) and np.abs(np.asarray(y_tokamax)[:17]).min() > 0
     for got, want in zip((y_tokamax, *g_tokamax), (y_xla, *g_xla)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-    assert kernels.resolve("auto", "gpu") == "tokamax:triton" and kernels.resolve("auto", "cpu") == "xla"
-    assert kernels.resolve("tokamax", "cpu") == "tokamax:xla"
+    assert kernels.grouped_gemm_for("auto", "gpu") == "tokamax:triton" and kernels.grouped_gemm_for("auto", "cpu") == "xla"
+    assert kernels.grouped_gemm_for("tokamax", "cpu") == "tokamax:xla"
 
 
 def test_moe_layer_through_tokamax_matches_the_loop_reference():
@@ -372,7 +375,8 @@ def test_dropless_gradients_match_dense_reference():
         return jnp.einsum("bled,ble->bld", y, weight)
 
     def sparse(x, gates, wi_0, wi_1, wo):
-        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0)[0]
+        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0,
+                                  numerics=matmul.Numerics("float32"))[0]
 
     target = jnp.asarray(rand(np.random.default_rng(4), 2, 4, 16))
     args = (x, gates, layer.wi_0[...], layer.wi_1[...], layer.wo[...])
@@ -392,7 +396,8 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     wi_0, wi_1, wo = rand(rng, e, d, m), rand(rng, e, d, m), rand(rng, e, m, d)
     positions = moe.capacity_positions(jnp.asarray(experts), e)
     got, counted = moe.routed_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(gates), positions,
-                                      jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity)
+                                      jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity,
+                                      numerics=matmul.Numerics("float32"))
     got = np.asarray(got)
     ref, dropped = np.zeros((b, l, d)), []
     for bi in range(b):
@@ -421,11 +426,11 @@ def test_capacity_mode_multiplies_as_one_batched_gemm_equal_to_ragged_dot():
         def f(impl):
             out = lambda a, b: jnp.sum(impl(a, b) * target)  # noqa: E731
             return jax.grad(out, argnums=argnums)(rows, w) if argnums else impl(rows, w)
-        batched = f(lambda a, b: moe.grouped_matmul(a, b, sizes, capacity=per))
+        batched = f(lambda a, b: matmul.grouped(a, b, sizes, per, "xla", matmul.Numerics("float32")))
         ragged = f(lambda a, b: jax.lax.ragged_dot(a, b, sizes))
         for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(ragged)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    jaxpr = str(jax.make_jaxpr(lambda a, b: moe.grouped_matmul(a, b, sizes, capacity=per))(rows, w))
+    jaxpr = str(jax.make_jaxpr(lambda a, b: matmul.grouped(a, b, sizes, per, "xla", matmul.Numerics("float32")))(rows, w))
     assert "ragged_dot" not in jaxpr and "dot_general" in jaxpr
 
 
@@ -445,10 +450,10 @@ def test_capacity_mode_statistics_count_dropped_choices():
 
 
 def test_model_state_is_the_router_biases_and_moves_against_the_load():
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
     cfg = tiny_config()
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     state = jax.jit(setup._init)()
     assert jax.tree.map(lambda a: a.shape, state["model_state"]) == {"moe_layers": {"mlp": {"router_bias": (2, 8)}}}
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
@@ -464,12 +469,10 @@ def test_model_state_is_the_router_biases_and_moves_against_the_load():
 
 
 def test_every_tagged_name_is_tagged_in_the_training_step():
-    from MaxOffload.parallel import logical
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
-    setup = resolve.train_setup(tiny_config())
-    with logical.activate(setup.mesh, setup.rules):
-        jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
+    setup = from_config.train_setup(tiny_config())
+    jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     expected = ("decoder_layer_input", "query_wa_proj", "mla_q", "query_proj", "kv_wa_proj", "mla_kv", "key_proj",
                 "value_proj", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0",
                 "moe_mlpwi_1", "moe_mlpwo")
@@ -503,7 +506,7 @@ def test_invalid_deepseek_config_is_one_clear_line(overrides, words):
 
 def test_671b_parameter_count_by_hand():
     cfg = load(["configs/deepseek_v3.py:671b", "model.mtp_depth=0"])  # the main model (its MTP: test_mtp.py)
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: resolve.model(cfg)),
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: from_config.model(cfg)),
                                                                        nnx.Param)))
     d, vocab, heads = 7168, 129280, 128
     mla = d * 1536 + 1536 + 1536 * heads * 192 + d * (512 + 64) + 512 + 512 * heads * 128 * 2 + heads * 128 * d
@@ -520,7 +523,7 @@ def test_train_flops_by_hand():
                           q_lora_rank=4, kv_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=5,
                           num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_mlp_dim=7, n_groups=1,
                           topk_groups=1))
-    c = models.model_config(cfg)
+    c = models.model_config(cfg.model)
     # multiply-adds per token
     q_down, q_up = 8 * 4, 4 * 2 * (3 + 2)  # 32, 40
     kv_down, k_up, v_up = 8 * (6 + 2), 6 * 2 * 3, 6 * 2 * 5  # 64, 36, 60
@@ -538,7 +541,7 @@ def test_train_flops_by_hand():
     attention = 6 * tokens * 3 * seq * 2 * ((3 + 2) + 5) / 2  # qk_dim = nope + rope, v_dim
     assert train_flops_per_step(c, batch, seq) == pytest.approx(6 * tokens * macs + attention, rel=1e-12)
     # every routed expert and router weight counted once per chosen expert, never all experts
-    model = nnx.eval_shape(lambda: resolve.model(cfg))
+    model = nnx.eval_shape(lambda: from_config.model(cfg))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     all_experts = 2 * 4 * 3 * 8 * 7
     assert all_experts == sum(math.prod(params["moe_layers"]["mlp"][w].shape) for w in ("wi_0", "wi_1", "wo"))
@@ -556,7 +559,7 @@ def test_dry_run_671b(cli, tmp_path):
     assert summary["params_as_released"] == 682_636_472_320 + 2 * 129280 * 7168
     assert "682.6B parameters (684.5B as released)" in result.stdout
     assert summary["model_flops_per_step"] == pytest.approx(
-        6 * 4096 * models.model_config(load(["configs/deepseek_v3.py:671b"])).matmul_params_per_token()
+        6 * 4096 * models.model_config(load(["configs/deepseek_v3.py:671b"]).model).matmul_params_per_token()
         + 6 * 4096 * 62 * 4096 * 128 * (192 + 128) / 2, rel=1e-9)
 
 
@@ -649,7 +652,7 @@ def test_mla_goes_through_the_shared_chunked_attention():
 
     length = 2048
     cfg = load(["configs/deepseek_v3.py:tiny", f"train.seq_len={length}", "model.compute_dtype=float32"])
-    model = resolve.model(cfg)
+    model = from_config.model(cfg)
     jaxpr = jax.make_jaxpr(lambda t: model(t)[0])(jnp.zeros((1, length), jnp.int32)).jaxpr
 
     def shapes(jp):

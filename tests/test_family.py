@@ -16,43 +16,27 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
-from MaxOffload import models, resolve
+from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, load
 from MaxOffload.errors import require, require_choice
-from MaxOffload.models.base import FromConfig
+from MaxOffload.models.base import ModelConfig, field
+from MaxOffload.models import components, matmul
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, Attention, param, rope_inv_freq
 from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, planner
-from MaxOffload.parallel.logical import constrain
 
-FIELDS = {
-    "num_kv_heads": (4, "toy: key/value heads"),
-    "head_dim": (32, "toy: dimension per attention head"),
-    "mlp_activation": ("gelu", "toy: the MLP's activation: gelu | relu"),
-}
 ACTIVATIONS = {"gelu": jax.nn.gelu, "relu": jax.nn.relu}
 TAGGED = (names.DECODER_LAYER_INPUT, names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ, names.ATTENTION_OUT,
           names.OUT_PROJ, names.MLPWI, names.MLPWO)
 
 
-@dataclasses.dataclass(frozen=True)
-class ToyConfig(FromConfig):
-    vocab_size: int
-    emb_dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    mlp_activation: str
-    norm_eps: float
-    rope_theta: float
-    tie_embeddings: bool
-    param_dtype: str
-    compute_dtype: str
-    scan_layers: bool
-    init_std: float
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyConfig(ModelConfig):
+    """The shared fields come from ModelConfig; the toy's own keys are declared here, once."""
+    num_kv_heads: int = field(4, "toy: key/value heads")
+    head_dim: int = field(32, "toy: dimension per attention head")
+    mlp_activation: str = field("gelu", "toy: the MLP's activation: gelu | relu")
 
     def validate(self):
         require_choice("model.mlp_activation", self.mlp_activation, tuple(ACTIVATIONS))
@@ -87,13 +71,14 @@ class LayerNorm(nnx.Module):
 
 
 class ToyLayer(nnx.Module):
-    def __init__(self, c, *, rngs):
-        pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
-        self.activation, self.cdt = c.mlp_activation, cdt
+    def __init__(self, c, *, rngs, layout, numerics):
+        pdt = jnp.dtype(c.param_dtype)
+        self.activation, self.layout, self.numerics = c.mlp_activation, layout, numerics
         self.attention_norm = LayerNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, inv_freq=rope_inv_freq(c.head_dim, c.rope_theta),
-                                   param_dtype=pdt, compute_dtype=cdt, init_std=c.init_std, rngs=rngs)
+                                   param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs,
+                                   layout=layout)
         self.mlp_norm = LayerNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.wi = param(rngs, (c.emb_dim, c.mlp_dim), ("embed", "mlp"), pdt, c.init_std)
         self.wo = param(rngs, (c.mlp_dim, c.emb_dim), ("mlp", "embed"), pdt, c.init_std)
@@ -101,20 +86,21 @@ class ToyLayer(nnx.Module):
     def __call__(self, x, positions):
         x = names.tag(x, names.DECODER_LAYER_INPUT)
         x = x + self.attention(self.attention_norm(x), positions)
-        hidden = names.tag(self.mlp_norm(x) @ self.wi[...].astype(self.cdt), names.MLPWI)
-        out = ACTIVATIONS[self.activation](hidden) @ self.wo[...].astype(self.cdt)
-        return x + names.tag(constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
+        mlp = lambda a, w: matmul.dense(a, w[...], None, components.MLP, self.numerics)  # noqa: E731
+        hidden = names.tag(mlp(self.mlp_norm(x), self.wi), names.MLPWI)
+        out = mlp(ACTIVATIONS[self.activation](hidden), self.wo)
+        return x + names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
 
 
 class Toy(SingleStackDecoder):
     @staticmethod
-    def make_layer(c, rngs):
-        return ToyLayer(c, rngs=rngs)
+    def make_layer(c, rngs, layout, numerics):
+        return ToyLayer(c, rngs=rngs, layout=layout, numerics=numerics)
 
 
 @pytest.fixture
 def toy():
-    models.register("toy", models.Family(ToyConfig, Toy, FIELDS))
+    models.register("toy", models.Family(ToyConfig, Toy))  # its keys: ToyConfig's own fields
     yield
     del models.FAMILIES["toy"]
 
@@ -138,7 +124,7 @@ def _losses(run_dir):
 
 def test_the_registry_gives_a_new_family_config_keys_checks_and_traced_names(toy, tmp_path):
     cfg = load(BASE + ["model.mlp_activation=relu", f"run.output_dir={tmp_path}"])
-    config = models.model_config(cfg)
+    config = models.model_config(cfg.model)
     assert isinstance(config, ToyConfig) and config.mlp_activation == "relu"
     assert models.tagged_names(config) == TAGGED  # read off the trace: the MLP tags mlpwi, not mlpwi_0/1
     assert config.layer_groups() == {"decoder": (0, 2)}
@@ -171,15 +157,15 @@ def test_a_registered_family_trains_and_its_offload_is_proven(toy, tmp_path):
 def test_a_registered_family_is_planned_from_its_own_cost_table_and_trains_on_the_plan(toy, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = load(BASE + ["remat.policy=auto", f"run.output_dir={tmp_path}"])
-    result = planner.plan(cfg, confirm=False, log=lambda *_: None)
+    result = planner.decide(cfg, confirm=False, log=lambda *_: None)
     by_name = {c.name: c for c in result.candidates}
     assert set(by_name) <= set(TAGGED) and names.MLPWI in by_name
     tokens, d = BATCH * SEQ, 64
     assert by_name[names.MLPWI].recompute_flops == 2 * tokens * MLP * d  # the toy's contractions: K = emb_dim
-    plan = planner.resolve(cfg, log=lambda *_: None)
+    plan = planner.plan_for(cfg, log=lambda *_: None)
     assert [(s.model_group, s.start, s.stop) for s in plan.segments] == [("decoder", 0, 2)]
     assert {n for n, _ in plan.segments[0].decisions} >= set(TAGGED)
-    assert plan != resolve.template(cfg)  # the planner chose something other than full remat
+    assert plan != from_config.template(cfg)  # the planner chose something other than full remat
     assert _train(BASE + ["remat.policy=auto", "train.steps=2", "checkpoint.enabled=false",
                           f"run.output_dir={tmp_path / 'run'}"]) == 0
     assert len(_losses(tmp_path / "run")) == 2

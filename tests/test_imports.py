@@ -1,10 +1,12 @@
-"""Imports point one way: no cycle among MaxOffload's modules, counting imports inside functions too.
+"""Imports point one way: down docs/architecture.md's table of layers, and no cycle among MaxOffload's modules,
+counting imports inside functions too.
 
 `from A import B` depends on the module A.B when B is a module, else on A; a package's __init__ depending on
 its own submodules is the package's surface, not a cycle (a submodule does not import its package's
 __init__ names here)."""
 import ast
 import os
+import re
 
 import pytest
 
@@ -93,6 +95,69 @@ def test_the_cycle_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def layers(text):
+    """[(layer name, [module or package prefix, ...])] from the table under "## Layers" in docs/architecture.md, top
+    first: `aot.py` -> "MaxOffload.aot", `models/` -> "MaxOffload.models" (the package and every module in it)."""
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or cells[0] in ("layer", "") or set(cells[0]) <= set("-"):
+            continue
+        paths = re.findall(r"`([\w/]+(?:\.py|/))`", cells[1])
+        out.append((cells[0], [PACKAGE + "." + p.removesuffix(".py").removesuffix("/").replace("/", ".")
+                               for p in paths]))
+    return out
+
+
+def layer_of(module, table):
+    """The index (0 = top) of the layer whose entry is the longest prefix of `module`, or None."""
+    best = None
+    for index, (_, entries) in enumerate(table):
+        for entry in entries:
+            if (module == entry or module.startswith(entry + ".")) and (best is None or len(entry) > best[1]):
+                best = (index, len(entry))
+    return best[0] if best else None
+
+
+def direction_problems(graph, table):
+    """Modules the table does not place (an empty package __init__ aside), and imports that point up it."""
+    problems = []
+    for module in sorted(graph):
+        here = layer_of(module, table)
+        if here is None:
+            is_package = any(m.startswith(module + ".") for m in graph)
+            if graph[module] or not is_package:  # an empty package __init__ needs no place
+                problems.append(f"{module} is in no layer of docs/architecture.md")
+            continue
+        for dep in sorted(graph[module]):
+            there = layer_of(dep, table)
+            if there is not None and there < here:
+                problems.append(f"{module} ({table[here][0]}) imports {dep} ({table[there][0]}), a layer above it")
+    return problems
+
+
+def test_imports_point_down_the_architecture_layers():
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        table = layers(f.read())
+    assert [name for name, _ in table][0] == "runs and tools" and len(table) >= 6
+    problems = direction_problems(import_graph(modules()), table)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_direction_check_finds_an_upward_import():
+    table = layers("## Layers\n| layer | modules | job |\n|---|---|---|\n| top | `aot.py`, `train/` | x |\n"
+                   "| bottom | `errors.py`, `train/flops.py` | y |\n\n## Next\n")
+    assert table == [("top", ["MaxOffload.aot", "MaxOffload.train"]),
+                     ("bottom", ["MaxOffload.errors", "MaxOffload.train.flops"])]
+    graph = {"MaxOffload.aot": {"MaxOffload.errors"}, "MaxOffload.errors": set(),
+             "MaxOffload.train.step": {"MaxOffload.train.flops"}, "MaxOffload.train.flops": {"MaxOffload.aot"},
+             "MaxOffload.stray": set()}
+    assert direction_problems(graph, table) == [
+        "MaxOffload.stray is in no layer of docs/architecture.md",
+        "MaxOffload.train.flops (bottom) imports MaxOffload.aot (top), a layer above it"]
+
+
 def test_errors_is_a_leaf():
     """Every layer raises MaxOffload.errors' kinds: it imports nothing from the package and no JAX."""
     with open(os.path.join(ROOT, PACKAGE, "errors.py")) as f:
@@ -110,8 +175,8 @@ def _source_reads(path, attribute):
 
 
 def test_models_never_read_the_active_mesh_nor_the_offload_config():
-    """The models take the OffloadPlan and the ExpertLayout; the mesh and cfg.remat/cfg.offload stay outside
-    (MaxOffload/resolve.py reads the config, TrainSetup the mesh)."""
+    """The models take the OffloadPlan and the ParallelLayout; the mesh and cfg.remat/cfg.offload stay outside
+    (MaxOffload/from_config.py reads the config, TrainSetup the mesh)."""
     models_dir = os.path.join(ROOT, PACKAGE, "models")
     for name in sorted(os.listdir(models_dir)):
         if name.endswith(".py"):

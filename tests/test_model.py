@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload import models
 from MaxOffload.config import get_config
 from MaxOffload.models import llama
@@ -203,7 +203,7 @@ def test_causal_mask():
 
 
 def build_with(cfg, params=None):
-    model = resolve.model(cfg)
+    model = from_config.model(cfg)
     if params is not None:
         nnx.update(model, params)
     return model
@@ -240,7 +240,7 @@ def test_unscanned_loop_uses_every_layer():
 
 
 def loss_and_grads(cfg, params, tokens, weights):
-    graphdef, _ = nnx.split(resolve.model(cfg))
+    graphdef, _ = nnx.split(from_config.model(cfg))
 
     def loss(p):
         return jnp.sum(nnx.merge(graphdef, p)(tokens) * weights)
@@ -252,7 +252,7 @@ def loss_and_grads(cfg, params, tokens, weights):
 @pytest.mark.parametrize("scan", [True, False])
 def test_remat_policies_do_not_change_logits_or_gradients(scan):
     base_cfg = tiny_cfg(scan_layers=scan)
-    _, params = nnx.split(resolve.model(base_cfg))
+    _, params = nnx.split(from_config.model(base_cfg))
     tokens = tokens_for(base_cfg)
     weights = jnp.asarray(np.random.default_rng(3).standard_normal((2, 8, base_cfg.model.vocab_size)), jnp.float32)
     results = {}
@@ -281,7 +281,7 @@ def assert_grads_close(a, b, rtol=1e-5):
 def test_gradients_match_between_scanned_and_unscanned():
     tokens = tokens_for(tiny_cfg())
     cfg_s, cfg_l = tiny_cfg(scan_layers=True), tiny_cfg(scan_layers=False)
-    _, params = nnx.split(resolve.model(cfg_s))
+    _, params = nnx.split(from_config.model(cfg_s))
     weights = jnp.asarray(np.random.default_rng(4).standard_normal((2, 8, cfg_s.model.vocab_size)), jnp.float32)
     _, (ls, gs) = loss_and_grads(cfg_s, params, tokens, weights)
     _, (ll, gl) = loss_and_grads(cfg_l, params, tokens, weights)
@@ -324,7 +324,7 @@ TAGGED_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "
 
 
 def test_tagged_names_are_in_vocabulary():
-    traced = models.FAMILIES["llama"].tagged_names(models.model_config(tiny_cfg()))
+    traced = models.FAMILIES["llama"].tagged_names(models.model_config(tiny_cfg().model))
     assert traced == TAGGED_NAMES
     assert len(set(traced)) == len(traced)
     for name in traced:
@@ -344,7 +344,7 @@ def test_walker_finds_names_inside_scan_and_checkpoint():
 def test_forward_pass_tags_exactly_the_declared_names(scan, policy):
     cfg = tiny_cfg(scan_layers=scan)
     cfg.remat.policy = policy
-    graphdef, params = nnx.split(resolve.model(cfg))
+    graphdef, params = nnx.split(from_config.model(cfg))
     tokens = tokens_for(cfg)
     jaxpr = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
     found = checkpoint_names(jaxpr.jaxpr)
@@ -396,7 +396,7 @@ def test_matmul_params_match_built_model():
     cfg = get_config()
     cfg.model.update(dict(vocab_size=100, emb_dim=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
                           mlp_dim=16))
-    model = nnx.eval_shape(lambda: resolve.model(cfg))
+    model = nnx.eval_shape(lambda: from_config.model(cfg))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     total = n_params(params)
     embedding = math.prod(params["embed"].shape)
@@ -404,7 +404,7 @@ def test_matmul_params_match_built_model():
         n_params(params["layers"]["mlp_norm"])
     assert embedding == 100 * 8
     assert norms == 8 + 2 * 8 + 2 * 8
-    assert models.model_config(cfg).matmul_params_per_token() == total - embedding - norms
+    assert models.model_config(cfg.model).matmul_params_per_token() == total - embedding - norms
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,7 +420,7 @@ def test_published_param_counts(size, published):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cfg = module.get_config(size)
-    model = nnx.eval_shape(lambda: resolve.model(cfg))
+    model = nnx.eval_shape(lambda: from_config.model(cfg))
     total = n_params(nnx.state(model, nnx.Param))
     assert total == pytest.approx(published, rel=0.01)
 
@@ -498,8 +498,8 @@ def test_kernel_choices_resolve_per_platform():
     tokamax's implementation for the platform; a resolved name stays as it is (TrainSetup resolves once)."""
     from MaxOffload.models import kernels
 
-    assert [kernels.resolve_attention(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("flash", "cpu"),
+    assert [kernels.attention_for(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("flash", "cpu"),
                                                            ("xla", "gpu"), ("flash:triton", "cpu"))] == [
         "flash:triton", "xla", "flash:xla_chunked", "xla", "flash:triton"]
-    assert [kernels.resolve(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("tokamax", "cpu"))] == [
+    assert [kernels.grouped_gemm_for(c, on) for c, on in (("auto", "gpu"), ("auto", "cpu"), ("tokamax", "cpu"))] == [
         "tokamax:triton", "xla", "tokamax:xla"]

@@ -13,11 +13,10 @@ from flax import nnx
 
 from conftest import run_cli
 from test_checkpoint import losses, sigterm_and_resume
-from MaxOffload import models, resolve
+from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek
 from MaxOffload.offload import placement
-from MaxOffload.parallel import logical
 
 TINY = "configs/deepseek_v3.py:tiny"
 LENGTH = 16
@@ -55,7 +54,7 @@ def test_logits_and_loss_match_a_reference_from_the_definition(monkeypatch):
     same stacked parameters); the other tests scan them."""
     cfg = config("model.mtp_depth=2", "model.mtp_loss_weight=0.25", "model.seq_balance_loss_weight=0",
                  "model.scan_layers=false")
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     state = jax.jit(setup._init)()
     data, seq, mask = batch()
     seen = []  # the normalised hidden states the shared head is given: the MTP depths', then the main model's
@@ -108,7 +107,7 @@ class Gradients:
     one compile serves every weight; the config's own mtp_loss_weight is tested above)."""
 
     def __init__(self, *overrides):
-        self.setup = resolve.train_setup(config(*overrides))
+        self.setup = from_config.train_setup(config(*overrides))
         self.state = jax.jit(self.setup._init)()
         self.data = batch()[0]
         self.step = jax.jit(jax.value_and_grad(self._objective, has_aux=True))
@@ -170,12 +169,11 @@ def test_the_mtp_block_is_a_layer_group_with_its_own_policy(gradients):
     too; router biases and expert loads of the MTP block are model state and metrics like a layer's."""
     cfg = config("model.mtp_depth=1", "remat.groups.m.layers=mtp", "remat.groups.m.tensors.moe_mlpwi_0=offload",
                  "remat.groups.m.tensors.query_proj=offload")
-    c = models.model_config(cfg)
+    c = models.model_config(cfg.model)
     assert c.layer_groups() == {"dense": (0, 1), "moe": (1, 3), "mtp": (3, 4)}
-    assert models.tagged_names(c) == models.tagged_names(models.model_config(config()))
-    setup = resolve.train_setup(cfg)
-    with logical.activate(setup.mesh, setup.rules):
-        jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
+    assert models.tagged_names(c) == models.tagged_names(models.model_config(config().model))
+    setup = from_config.train_setup(cfg)
+    jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     found = placement.classify_residuals(jaxpr)
     assert {n: kind for n, (kind, _) in found["layers_3_3"].items() if kind == "offload"} == {
         "moe_mlpwi_0": "offload", "query_proj": "offload"}
@@ -203,14 +201,14 @@ def test_671b_with_mtp_counts_the_block_and_its_work():
     """The 671b preset has DeepSeek-V3's one MTP depth: the main model's 671.0B parameters + one MoE block,
     its eh_proj and three norms (682.6B); 684.5B as released (the MTP layer's copies of the embedding and the
     head). Its FLOPs: one more layer of MLA + MoE, eh_proj and a second pass through the output head."""
-    c = models.model_config(load(["configs/deepseek_v3.py:671b"]))
-    main = models.model_config(load(["configs/deepseek_v3.py:671b", "model.mtp_depth=0"]))
+    c = models.model_config(load(["configs/deepseek_v3.py:671b"]).model)
+    main = models.model_config(load(["configs/deepseek_v3.py:671b", "model.mtp_depth=0"]).model)
     d, vocab, heads = 7168, 129280, 128
     mla = d * 1536 + 1536 + 1536 * heads * 192 + d * (512 + 64) + 512 + 512 * heads * 128 * 2 + heads * 128 * d
     moe_layer = mla + 2 * d + d * 256 + 256 * 3 * d * 2048 + 3 * d * 2048
     block = 2 * d * d + 3 * d + moe_layer
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
-        lambda: resolve.model(load(["configs/deepseek_v3.py:671b"]))), nnx.Param)))
+        lambda: from_config.model(load(["configs/deepseek_v3.py:671b"]))), nnx.Param)))
     assert total == 671_026_404_352 + block == 682_636_472_320
     assert total + c.params_stored_twice() == total + 2 * vocab * d == pytest.approx(685e9, rel=0.001)
     mla_macs = d * 1536 + 1536 * heads * 192 + d * 576 + 512 * heads * 256 + heads * 128 * d

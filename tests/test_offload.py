@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxOffload import models, resolve
+from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, defaults, load
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, parity, placement, policy, segments
@@ -137,14 +137,14 @@ def _cli_jobs(tmp):
 # mentions the per-device shapes of the stacked (2 layers) mlpwi_0 residual.
 TWO_DEVICES_SCRIPT = """
 import json, sys
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.offload import inspect
 base = %r
 out = {}
 for label, mesh in (("dp", ["mesh.ici.fsdp=2"]), ("tp", ["mesh.ici.fsdp=1", "mesh.ici.tensor=2"])):
     cfg = load(base + ["run.output_dir=" + sys.argv[1] + "/" + label] + mesh)
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     report = inspect.build_report(cfg, setup, cpu_memory=False)
     out[label] = {"report": report, "devices": setup.mesh.size}
     if label == "tp":
@@ -213,7 +213,7 @@ def cli_result(background, key):
 def test_expected_table_covers_every_preset():
     """A new preset needs its expected sets written here."""
     assert set(EXPECTED) == set(policy.PRESETS) - {"custom"}
-    config = models.model_config(load(TINY + ["run.output_dir=/tmp/x"]))
+    config = models.model_config(load(TINY + ["run.output_dir=/tmp/x"]).model)
     assert set(models.FAMILIES["llama"].tagged_names(config)) == TAGGED
 
 
@@ -230,7 +230,7 @@ def test_expected_sets_follow_the_rule():
 @pytest.mark.parametrize("preset", sorted(EXPECTED))
 def test_preset_report(preset, tmp_path):
     cfg = tiny(tmp_path, f"remat.policy={preset}")
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     report = inspect_lib.build_report(cfg, setup, cpu_memory=False)
     offloaded, saved = EXPECTED[preset]
     unused = SAVE_ALL_UNUSED if preset == "save_all" else {WO}
@@ -266,7 +266,7 @@ def test_minimal_offloaded_bytes_by_hand(tmp_path):
     """q 4x16 + k 2x16 + v 2x16 + out_proj 64 + mlpwi_0 176 + mlpwi_1 176 = 544 floats per token,
     x 2 sequences x 32 tokens x 4 bytes x 2 layers."""
     cfg = tiny(tmp_path, "remat.policy=minimal_offloaded")
-    report = inspect_lib.build_report(cfg, resolve.train_setup(cfg), cpu_memory=False)
+    report = inspect_lib.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
     assert report["offload_bytes_per_device"] == 544 * 2 * 32 * 4 * 2 == 278528
 
 
@@ -275,7 +275,7 @@ def test_offloading_the_layer_input_takes_effect(tmp_path):
     (jax#23869 does not bite here): decoder_layer_input=offload is reported offloaded, with one
     placement, and nothing else changes."""
     cfg = tiny(tmp_path, "remat.tensors.decoder_layer_input=offload")
-    report = inspect_lib.build_report(cfg, resolve.train_setup(cfg), cpu_memory=False)
+    report = inspect_lib.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
     group = report["groups"]["layers_0_1"]
     assert group["offloaded"] == [DLI] and group["saved"] == []
     assert set(group["remat"]) == NEEDED - {DLI}
@@ -293,7 +293,7 @@ def group_cfg(tmp_path_factory):
 
 
 def test_group_segments(group_cfg):
-    segs = resolve.static_plan(group_cfg).segments
+    segs = from_config.static_plan(group_cfg).segments
     assert [(s.start, s.stop, s.group, s.label) for s in segs] == [
         (0, 2, "first", "layers_0_1"), (2, 3, "", "layers_2_2"), (3, 4, "last", "layers_3_3")]
     first, middle, last = (dict(s.decisions) for s in segs)
@@ -304,7 +304,7 @@ def test_group_segments(group_cfg):
 
 
 def test_group_report(group_cfg):
-    report = inspect_lib.build_report(group_cfg, resolve.train_setup(group_cfg), cpu_memory=False)
+    report = inspect_lib.build_report(group_cfg, from_config.train_setup(group_cfg), cpu_memory=False)
     assert list(report["groups"]) == list(GROUP_SEGMENTS)
     for label, (remat_group, layers, offloaded) in GROUP_SEGMENTS.items():
         group = report["groups"][label]
@@ -333,7 +333,7 @@ OFFLOAD_RECIPE = os.path.join(ROOT, "configs", "llama3_1_offload.py")
 def test_offload_recipe_small(tmp_path):
     cfg = load([f"{OFFLOAD_RECIPE}:small", f"train.seq_len={SEQ}", f"train.per_device_batch_size={PER_DEVICE_BATCH}",
                 "model.compute_dtype=float32", f"run.output_dir={tmp_path}"])  # small: 4 layers
-    report = inspect_lib.build_report(cfg, resolve.train_setup(cfg), cpu_memory=False)
+    report = inspect_lib.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
     assert list(report["groups"]) == ["layers_0_1", "layers_2_3"]
     body, last_two = report["groups"]["layers_0_1"], report["groups"]["layers_2_3"]
     assert set(body["offloaded"]) == {Q, K, V, OUT} and set(body["saved"]) == {DLI}
@@ -347,7 +347,7 @@ def test_offload_recipe_keeps_the_last_two_layers_after_a_depth_override(tmp_pat
     """The recipe promises that the last two layers keep everything in HBM. With the depth changed
     on the command line (model.num_layers=8 on :small), those are layers 6-7 and layers 0-5 offload."""
     cfg = load([f"{OFFLOAD_RECIPE}:small", "model.num_layers=8", f"run.output_dir={tmp_path}"])
-    assert [(s.start, s.stop, s.group) for s in resolve.static_plan(cfg).segments] == [(0, 6, ""), (6, 8, "last_two")]
+    assert [(s.start, s.stop, s.group) for s in from_config.static_plan(cfg).segments] == [(0, 6, ""), (6, 8, "last_two")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +357,7 @@ def test_offload_recipe_keeps_the_last_two_layers_after_a_depth_override(tmp_pat
 @pytest.fixture(scope="module")
 def qkv_offloaded(tmp_path_factory):
     cfg = tiny(tmp_path_factory.mktemp("qkv"), "remat.policy=qkv_proj_offloaded")
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     return cfg, setup, cuda_text(setup)
 
 
@@ -463,7 +463,7 @@ def test_classify_residuals_of_a_hand_built_scan():
 
 def test_parity_all_presets_and_groups(group_cfg):
     presets = [p for p in policy.PRESETS if p not in ("full", "custom")]
-    ref_loss, tolerance, rows = parity.compare(resolve.train_setup(group_cfg), presets)
+    ref_loss, tolerance, rows = parity.compare(from_config.train_setup(group_cfg), parity.first_batch(group_cfg), presets)
     assert tolerance == 1e-5  # float32
     assert abs(ref_loss - math.log(512)) < 0.1  # small-init model: about uniform over the vocabulary
     assert [row[0] for row in rows] == ["this config"] + presets
@@ -478,7 +478,7 @@ def test_parity_through_the_flash_attention_path(tmp_path):
     """The flash path (tokamax's custom VJP; its XLA implementation on CPU) under offloading (q/k/v and the
     MLP inputs to the host) and under save_all (the kernel's own residuals kept) against full remat."""
     cfg = tiny(tmp_path, "model.attention=flash", "remat.policy=minimal_offloaded")
-    ref_loss, tolerance, rows = parity.compare(resolve.train_setup(cfg), ["save_all"])
+    ref_loss, tolerance, rows = parity.compare(from_config.train_setup(cfg), parity.first_batch(cfg), ["save_all"])
     assert tolerance == 1e-5 and [row[0] for row in rows] == ["this config", "save_all"]
     for label, loss, loss_diff, grad_diff, ok in rows:
         assert ok and grad_diff < 1e-6 and abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (label, loss, grad_diff)
@@ -490,7 +490,7 @@ def test_parity_gate_can_fail(tmp_path, monkeypatch):
     base_grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.zeros(2)}  # |g_ref| = 5
 
     cfg = tiny(tmp_path, "remat.policy=custom", "remat.tensors.mlpwi_0=offload")
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     preset_of = {setup.plan.uniform(p): p for p in ("full", "minimal", "minimal_offloaded", "save_all")}
 
     def fake(variant, params, batch, *_):
@@ -505,7 +505,7 @@ def test_parity_gate_can_fail(tmp_path, monkeypatch):
         return jnp.float32(loss), grads
 
     monkeypatch.setattr(parity, "_loss_and_grads", fake)
-    ref_loss, tolerance, rows = parity.compare(setup, ["minimal", "minimal_offloaded", "save_all"])
+    ref_loss, tolerance, rows = parity.compare(setup, parity.first_batch(cfg), ["minimal", "minimal_offloaded", "save_all"])
     assert ref_loss == 2.0 and tolerance == 1e-5
     by_label = {row[0]: row for row in rows}
     assert by_label["this config"][2:] == (0.0, 0.0, True)
@@ -642,10 +642,10 @@ def test_overlapping_groups_error():
 def test_uniform_plan_clears_tensors_and_groups(group_cfg):
     """A plan's uniform variant (the reference of parity, the anchors of the planner) is the preset alone: what
     the config spells out with the preset and no per-tensor settings or groups."""
-    own = resolve.static_plan(group_cfg)
+    own = from_config.static_plan(group_cfg)
     variant = own.uniform("minimal")
     alone = tiny(group_cfg.run.output_dir, "model.num_layers=4", "remat.policy=minimal")
-    assert variant == resolve.static_plan(alone)
+    assert variant == from_config.static_plan(alone)
     assert [(s.start, s.stop, s.group) for s in variant.segments] == [(0, 4, "")]
     assert [(s.start, s.stop) for s in own.segments] == [(0, 2), (2, 3), (3, 4)]  # untouched
 
@@ -663,9 +663,9 @@ def test_presets_and_families_speak_only_the_vocabulary_table():
 
     used = {n for preset in policy.PRESETS.values() for n in preset}
     for config in (load(TINY + ["run.output_dir=/tmp/x"]), load(["configs/deepseek_v3.py:tiny", "run.output_dir=/tmp/x"])):
-        mc = models.model_config(config)
+        mc = models.model_config(config.model)
         used |= set(models.tagged_names(mc))
-        for group in models.layer_groups(config):
+        for group in models.layer_groups(config.model):
             used |= set(mc.contractions(group, 64))
     assert used and used <= set(names.TABLE), used - set(names.TABLE)
     assert set(names.VOCABULARY) == set(names.TABLE) and set(names.ACTIVATION_AXES) <= set(names.TABLE)

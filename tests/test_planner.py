@@ -5,7 +5,7 @@ import math
 import pytest
 
 from conftest import run_cli
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.config import ConfigError, load
 from MaxOffload.errors import PlanError
 from MaxOffload.offload import costs as costs_lib
@@ -24,7 +24,7 @@ def quiet(*_):
 def test_auto_is_accepted_and_never_reaches_the_policy_builder(tmp_path):
     cfg = load([*TINY, "remat.policy=auto", f"run.output_dir={tmp_path}"])
     assert cfg.remat.policy == "auto"
-    with pytest.raises(ValueError, match="resolve"):
+    with pytest.raises(ValueError, match="plan_for"):
         policy.decisions("auto", {})
     with pytest.raises(ConfigError, match="remat.policy=auto plans the layer groups"):
         load([*TINY, "remat.policy=auto", "remat.groups.g.layers=0-1", f"run.output_dir={tmp_path}"])
@@ -35,7 +35,7 @@ def test_auto_is_accepted_and_never_reaches_the_policy_builder(tmp_path):
 def test_cost_model_by_hand(tmp_path):
     """Bytes per device and recompute FLOPs = 2 x elements x contraction length, for the tiny llama on 1 CPU."""
     cfg = load([*TINY, "remat.policy=auto", f"run.output_dir={tmp_path}"])
-    result = planner.plan(cfg, confirm=False, log=quiet)
+    result = planner.decide(cfg, confirm=False, log=quiet)
     by_name = {c.name: c for c in result.candidates}
     tokens, d, mlp = 4 * 64, 64, 176
     assert by_name["mlpwi_0"].bytes == tokens * mlp * 2  # bf16
@@ -120,11 +120,11 @@ def test_exchange_moves_a_kept_tensor_to_the_host_for_a_bigger_win():
 def test_override_lines_reproduce_the_plan(tmp_path):
     for argv in (TINY, ["configs/deepseek_v3.py:tiny", "train.per_device_batch_size=2", "train.seq_len=32"]):
         cfg = load([*argv, "remat.policy=auto", f"run.output_dir={tmp_path}"])
-        result = planner.plan(cfg, confirm=False, log=quiet)
+        result = planner.decide(cfg, confirm=False, log=quiet)
         lines = planner.override_lines(result)
         assert lines[0] == "remat.policy=custom"
         again = load([*argv, *lines, f"run.output_dir={tmp_path}"])
-        assert resolve.static_plan(again) == planner.to_offload_plan(resolve.template(cfg), result)
+        assert from_config.static_plan(again) == planner.to_offload_plan(from_config.template(cfg), result)
         if "deepseek" in argv[0]:
             assert "remat.groups.auto_moe.layers=moe" in lines and "remat.groups.auto_dense.layers=dense" in lines
 
@@ -133,15 +133,15 @@ def test_resolve_is_cached_and_honours_pins(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = load([*TINY, "remat.policy=auto", "remat.tensors.mlpwi_0=remat", f"run.output_dir={tmp_path}"])
     logs = []
-    first = planner.resolve(cfg, log=logs.append)
+    first = planner.plan_for(cfg, log=logs.append)
     assert all(dict(seg.decisions)["mlpwi_0"] == "remat" for seg in first.segments)
     assert not any("cached plan" in line for line in logs)
     logs.clear()
-    second = planner.resolve(cfg, log=logs.append)
+    second = planner.plan_for(cfg, log=logs.append)
     assert any("cached plan" in line for line in logs)
     assert second == first
     other = load([*TINY, "remat.policy=full", f"run.output_dir={tmp_path}"])
-    assert planner.resolve(other, log=logs.append) == resolve.static_plan(other)
+    assert planner.plan_for(other, log=logs.append) == from_config.static_plan(other)
 
 
 def test_auto_on_the_command_line_replaces_the_files_recipe(tmp_path):
@@ -239,12 +239,12 @@ def test_auto_plan_is_what_inspect_finds_in_the_step(tmp_path):
     """The resolved auto plan, traced: every planned decision is what inspect reads from the step's jaxpr
     (offload / saved in HBM / recomputed), per model group, with no problems reported."""
     from MaxOffload.offload.inspect import activation_groups
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
     cfg = load([*TINY, "remat.policy=auto", "remat.tensors.mlpwi_0=offload", f"run.output_dir={tmp_path}"])
-    result = planner.plan(cfg, "gb200", "1x1x4", confirm=False, log=quiet)
-    offload_plan = planner.to_offload_plan(resolve.template(cfg), result)
-    groups, problems, _ = activation_groups(cfg, resolve.train_setup(cfg, planner._target_devices("gb200", "1x1x4"),
+    result = planner.decide(cfg, "gb200", "1x1x4", confirm=False, log=quiet)
+    offload_plan = planner.to_offload_plan(from_config.template(cfg), result)
+    groups, problems, _ = activation_groups(cfg, from_config.train_setup(cfg, planner._target_devices("gb200", "1x1x4"),
                                                                      offload_plan))
     assert not problems
     seen = {(entry["model_group"], name): t["result"] for entry in groups.values()
@@ -261,7 +261,7 @@ def test_every_tagged_name_has_a_recompute_cost_and_a_missing_one_is_an_error():
 
     for spec in ("configs/llama3_1.py:tiny", "configs/deepseek_v3.py:tiny"):
         cfg = load_cfg([spec])
-        mc, family = models_lib.model_config(cfg), models_lib.FAMILIES[cfg.model.family]
+        mc, family = models_lib.model_config(cfg.model), models_lib.FAMILIES[cfg.model.family]
         for group in family.layer_groups(mc):
             table = mc.contractions(group, cfg.train.seq_len)
             tagged = set(family.tagged_names(mc))

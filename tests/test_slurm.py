@@ -348,77 +348,77 @@ SLURM_STEP = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="gb[001-002]", SLURM_
 
 
 def test_plan_one_task_per_node_drives_all_visible_gpus(monkeypatch):
-    from MaxOffload.parallel.distributed import plan
+    from MaxOffload.parallel.distributed import process_args
 
     slurm_env(monkeypatch, **SLURM_STEP, SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="1(x2)",
               CUDA_VISIBLE_DEVICES="0,1,2,3")
-    args = plan(distributed_cfg())
+    args = process_args(distributed_cfg())
     assert args["cluster_detection_method"] == "slurm"
     assert args["local_device_ids"] == [0, 1, 2, 3]
 
 
 def test_plan_one_task_per_node_without_cuda_visible_devices_uses_gpus_per_node(monkeypatch):
-    from MaxOffload.parallel.distributed import plan
+    from MaxOffload.parallel.distributed import process_args
 
     slurm_env(monkeypatch, **SLURM_STEP, SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="1(x2)")
-    assert plan(distributed_cfg())["local_device_ids"] == [0, 1, 2, 3]  # launch.gpus_per_node
+    assert process_args(distributed_cfg())["local_device_ids"] == [0, 1, 2, 3]  # launch.gpus_per_node
 
 
 def test_plan_per_task_gpu_binding_uses_the_one_visible_gpu(monkeypatch):
-    from MaxOffload.parallel.distributed import plan
+    from MaxOffload.parallel.distributed import process_args
 
     slurm_env(monkeypatch, **{**SLURM_STEP, "SLURM_LOCALID": "3"}, SLURM_NTASKS="8", SLURM_TASKS_PER_NODE="4(x2)",
               CUDA_VISIBLE_DEVICES="3")
-    assert plan(distributed_cfg())["local_device_ids"] == [0]
+    assert process_args(distributed_cfg())["local_device_ids"] == [0]
 
 
 def test_plan_sets_the_nvlink_slice_from_the_node(monkeypatch):
-    from MaxOffload.parallel.distributed import plan
+    from MaxOffload.parallel.distributed import process_args
 
     cfg = distributed_cfg()
     for node, expected in (("0", 0), ("17", 0), ("18", 1), ("35", 1)):  # 18 trays per NVL72
         slurm_env(monkeypatch, **{**SLURM_STEP, "SLURM_NODEID": node}, SLURM_NTASKS="144",
                   SLURM_TASKS_PER_NODE="4(x36)")
-        assert plan(cfg)["slice_index"] == expected
+        assert process_args(cfg)["slice_index"] == expected
 
 
 def test_plan_one_task_per_gpu_leaves_device_choice_to_jax(monkeypatch):
-    from MaxOffload.parallel.distributed import plan
+    from MaxOffload.parallel.distributed import process_args
 
     slurm_env(monkeypatch, **SLURM_STEP, SLURM_NTASKS="8", SLURM_TASKS_PER_NODE="4(x2)",
               CUDA_VISIBLE_DEVICES="0,1,2,3")
-    args = plan(distributed_cfg())
+    args = process_args(distributed_cfg())
     assert args["cluster_detection_method"] == "slurm"
     assert "local_device_ids" not in args  # JAX's Slurm detection: local_device_ids=[SLURM_LOCALID]
     assert "coordinator_address" not in args and "process_id" not in args
 
 
 def test_plan_without_slurm_is_single_process(monkeypatch):
-    from MaxOffload.parallel.distributed import plan
+    from MaxOffload.parallel.distributed import process_args
 
     slurm_env(monkeypatch)
-    assert plan(distributed_cfg()) is None
+    assert process_args(distributed_cfg()) is None
     slurm_env(monkeypatch, **SLURM_STEP, SLURM_NTASKS="1", SLURM_TASKS_PER_NODE="1")  # srun -n1: one process
-    assert plan(distributed_cfg()) is None
+    assert process_args(distributed_cfg()) is None
 
 
 def test_plan_explicit_settings(monkeypatch):
     from MaxOffload.config import ConfigError
-    from MaxOffload.parallel.distributed import plan
+    from MaxOffload.parallel.distributed import process_args
 
     slurm_env(monkeypatch)
-    args = plan(distributed_cfg(coordinator_address="localhost:1234", num_processes=2, process_id=1))
+    args = process_args(distributed_cfg(coordinator_address="localhost:1234", num_processes=2, process_id=1))
     assert (args["coordinator_address"], args["num_processes"], args["process_id"]) == ("localhost:1234", 2, 1)
     assert "cluster_detection_method" not in args
     for bad in (2, -1):
         with pytest.raises(ConfigError, match="process_id"):
-            plan(distributed_cfg(coordinator_address="localhost:1234", num_processes=2, process_id=bad))
+            process_args(distributed_cfg(coordinator_address="localhost:1234", num_processes=2, process_id=bad))
 
 
 def test_roll_call_knows_the_coordinator_under_slurm(monkeypatch):
     """The missing-peer line needs the address JAX's Slurm detection will use: the first node, a port from the
     job id (JAX's ephemeral range)."""
-    from MaxOffload.parallel.distributed import _identity, plan
+    from MaxOffload.parallel.distributed import _identity, process_args
 
     slurm_env(monkeypatch, **SLURM_STEP, SLURM_NTASKS="8", SLURM_TASKS_PER_NODE="4(x2)")
-    assert _identity(plan(distributed_cfg())) == (f"gb001:{4242 % 4096 + 61440}", 1, 8)
+    assert _identity(process_args(distributed_cfg())) == (f"gb001:{4242 % 4096 + 61440}", 1, 8)

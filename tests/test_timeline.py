@@ -191,12 +191,12 @@ def test_the_quickstart_on_gb200_exposes_its_copies_under_baseline_and_the_trace
     """A deviceless GB200 compile of the quickstart with two offloaded tensors, xla.preset=baseline: the copies cost
     exposed time (more than if every copy were free), and the trace holds one event per kernel the entry and the
     loop bodies run (x their trip counts)."""
-    from MaxOffload import deviceless, resolve
+    from MaxOffload import deviceless, from_config
     from MaxOffload.config import load
 
     cfg = load(["configs/quickstart.py", "remat.policy=custom", "remat.tensors.mlpwi_0=offload",
                 "remat.tensors.query_proj=offload", f"run.output_dir={tmp_path}"])
-    setup = resolve.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
+    setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
     module_ = hlo.parse(setup.compile_train_step().as_text())
     gb200 = hardware.ACCELERATORS["gb200"]
     report, sim = timeline.of_compiled(module_, setup, timeline.Rates.of(gb200))
@@ -256,7 +256,7 @@ def test_the_h200_programs_are_predicted_within_20_percent_and_ranked_as_measure
 def test_the_planner_ranks_an_offload_plan_by_its_timeline_per_host_link():
     """Offloading out_proj and mlpwi_0 of a 4096-wide layer: on an H200 (PCIe) its copies cannot hide and it loses
     to full remat; on a GH200 (NVLink-C2C) they hide and it wins, by the compiled timelines."""
-    from MaxOffload import deviceless, resolve
+    from MaxOffload import deviceless, from_config
     from MaxOffload.config import load
     from MaxOffload.offload import planner
     from MaxOffload.offload.costs import machine
@@ -270,7 +270,7 @@ def test_the_planner_ranks_an_offload_plan_by_its_timeline_per_host_link():
         accelerator = hardware.ACCELERATORS[target]
         steps = {}
         for name, policy in plans.items():
-            setup = resolve.train_setup(load([*model, *policy]), deviceless.compile_only_devices(target, "1x1x1"))
+            setup = from_config.train_setup(load([*model, *policy]), deviceless.compile_only_devices(target, "1x1x1"))
             trial = planner.measure(planner.Trial(name, "baseline", {}, {}), setup, machine(accelerator, 0.9),
                                     timeline.Rates.of(accelerator))
             assert trial.fits and not trial.error

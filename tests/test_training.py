@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.data import synthetic, text, tokenizer
 
 # A tiny Llama on the quickstart recipe (real text, lr 3e-3).
@@ -403,7 +403,7 @@ def _tiny_params(*extra):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load([os.path.join(root, "configs", "llama3_1.py") + ":tiny", *extra])
-    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: resolve.model(cfg))))
+    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: from_config.model(cfg))))
 
 
 def _mask_by_name(mask):

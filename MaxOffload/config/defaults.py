@@ -5,6 +5,7 @@ differs. `python train.py --help` prints this table.
 """
 import ml_collections
 
+from MaxOffload.models import base as model_base
 from MaxOffload.offload.names import VOCABULARY
 from MaxOffload.parallel.logical import DEFAULT_RULES, MESH_AXES
 
@@ -18,7 +19,10 @@ SCHEMA = {
     },
     "train": {
         "steps": (100, "number of optimizer steps"),
-        "per_device_batch_size": (8, "sequences per device per step"),
+        "per_device_batch_size": (8, "sequences per device per micro-batch (per step when grad_accum_steps=1)"),
+        "grad_accum_steps": (1, "micro-batches per optimizer step: their gradients are summed in float32 inside the "
+                                "step (a scan), then one update; a step trains per_device_batch_size x devices x "
+                                "grad_accum_steps sequences"),
         "seq_len": (256, "tokens per sequence"),
         "learning_rate": (3e-4, "peak learning rate, reached after the warmup"),
         "warmup_steps": (10, "linear warmup from 0 to learning_rate"),
@@ -48,26 +52,7 @@ SCHEMA = {
                                  "`python -m MaxOffload.convert from-hf`'s output; ignored when resuming"),
     },
     # The keys every family shares; each family adds its own (models.register joins them: see full_schema()).
-    "model": {
-        "family": ("llama", "model family: llama | deepseek"),
-        "vocab_size": (512, "vocabulary size (embedding rows); must cover the tokenizer"),
-        "emb_dim": (256, "model width d_model"),
-        "num_layers": (4, "number of decoder layers"),
-        "num_heads": (8, "query heads"),
-        "mlp_dim": (704, "hidden size of the SwiGLU MLP (deepseek: of the dense layers)"),
-        "norm_eps": (1e-5, "RMSNorm epsilon"),
-        "rope_theta": (10000.0, "RoPE base frequency"),
-        "rope_scaling": ("none", "RoPE frequency scaling: none | llama3 (Llama 3.1) | yarn (DeepSeek-V3)"),
-        "rope_factor": (8.0, "llama3 scaling: factor for low frequencies; yarn: context extension factor"),
-        "rope_original_max_len": (8192, "llama3 / yarn scaling: original context length"),
-        "tie_embeddings": (False, "share the token embedding with the output projection"),
-        "param_dtype": ("float32", "parameter (and optimizer state) dtype: float32 | bfloat16"),
-        "compute_dtype": ("bfloat16", "matmul/activation dtype: float32 | bfloat16"),
-        "attention": ("auto", "causal attention: auto (flash on GPUs, xla on CPU) | xla (query blocks that skip "
-                              "the keys they cannot see) | flash (tokamax's fused kernel; models/kernels.py)"),
-        "scan_layers": (True, "scan over layers (compile time flat in depth); false = Python loop"),
-        "init_std": (0.02, "standard deviation of the normal weight initialiser"),
-    },
+    "model": {"family": ("llama", "model family: llama | deepseek"), **model_base.keys(model_base.ModelConfig, shared=True)},
     "remat": {
         "policy": ("full", "activation policy preset: full | minimal | minimal_offloaded | qkv_proj_offloaded "
                            "| save_qkv_proj | save_out_proj | save_dot_except_mlp | save_dot_except_mlpwi "
@@ -86,6 +71,8 @@ SCHEMA = {
                           "over") for axis in MESH_AXES},
         "rules": {axis: (list(mesh_axes), f"mesh axes that shard the logical axis {axis!r}")
                   for axis, mesh_axes in DEFAULT_RULES.items()},
+        "exchange": ("all_gather", "how MoE layers' routed tokens reach their experts' devices (models/exchange.py): "
+                                   "all_gather (tokens gathered over the expert axes, outputs reduce-scattered back)"),
     },
     "distributed": {
         "coordinator_address": ("", "host:port of process 0; empty = auto (Slurm) or single process"),
@@ -153,7 +140,7 @@ SCHEMA = {
 # One entry of remat.groups. `remat.groups.NAME.KEY=VALUE` on the command line creates NAME.
 GROUP = {
     "layers": ("", "the layers: a range (0-7, 8-, 5; negative = from the end: -2- = the last two) or a model group "
-                         "(llama: decoder; deepseek: dense, moe)"),
+                         "(llama: decoder; deepseek: dense, moe, and mtp for the multi-token-prediction blocks)"),
     "policy": ("", "a preset for these layers (replaces remat.policy and remat.tensors); empty = inherit"),
     "tensors": {name: ("", "remat | device | offload for these layers; empty = inherit") for name in VOCABULARY},
 }

@@ -60,7 +60,7 @@ def _validate_remat(cfg):
     from MaxOffload.offload import segments
 
     family = cfg.model.family
-    config = models.model_config(cfg)
+    config = models.model_config(cfg.model)
 
     def tagged():
         return models.tagged_names(config)
@@ -83,7 +83,7 @@ def _validate_remat(cfg):
         if group.policy:
             _choice(f"{prefix}.policy", group.policy, tuple(policy.PRESETS))
         _check_tensors(f"{prefix}.tensors", group.tensors, family, tagged)
-    segments.layer_segments(remat, models.layer_groups(cfg))  # ranges: in bounds, disjoint
+    segments.layer_segments(remat, models.layer_groups(cfg.model))  # ranges: in bounds, disjoint
 
 
 def validate(cfg):
@@ -95,7 +95,7 @@ def validate(cfg):
 
     _require(run.output_dir.strip() != "", "run.output_dir is empty; give a directory, e.g. runs/my_run")
     _positive(cfg, "run.log_every", "train.steps", "train.per_device_batch_size", "train.seq_len",
-              "train.eval_batches")
+              "train.eval_batches", "train.grad_accum_steps")
     for key in ("train.learning_rate", "train.weight_decay", "train.grad_clip_norm", "train.adam_eps"):
         value = _get(cfg, key)
         _require(math.isfinite(value) and value >= 0, f"{key} must be a finite number >= 0, got {value}")
@@ -120,7 +120,7 @@ def validate(cfg):
     _choice("model.param_dtype", model.param_dtype, DTYPES)
     _choice("model.compute_dtype", model.compute_dtype, DTYPES)
     _choice("model.attention", model.attention, kernels.ATTENTION)
-    models.model_config(cfg).validate()  # the family's own checks
+    models.model_config(cfg.model).validate()  # the family's own checks
 
     _validate_remat(cfg)
     from MaxOffload.parallel.logical import MESH_AXES
@@ -129,6 +129,9 @@ def validate(cfg):
         for mesh_axis in mesh_axes:
             _require(mesh_axis in MESH_AXES, f"mesh.rules.{axis}: {mesh_axis!r} is not a mesh axis "
                                              f"({', '.join(MESH_AXES)}){suggest(str(mesh_axis), MESH_AXES)}")
+    from MaxOffload.models.exchange import EXCHANGES
+
+    _choice("mesh.exchange", cfg.mesh.exchange, tuple(EXCHANGES))
     from MaxOffload import hardware, xla
 
     _choice("xla.preset", cfg.xla.preset, tuple(xla.PRESETS))

@@ -47,7 +47,7 @@ def hf_family(hf):
     return family, fields
 
 
-def resolve_config(hf, config_spec, overrides):
+def merged_config(hf, config_spec, overrides):
     """(cfg, model keys from config.json): the config file + overrides, with config.json's model keys applied
     last. An override that contradicts config.json, or a config file of another family, is a ConfigError."""
     from MaxOffload.config.loader import load, load_file, split_overrides
@@ -65,7 +65,7 @@ def resolve_config(hf, config_spec, overrides):
             raise ConfigError(f"model.{key}={text} contradicts {hf.directory}/config.json, which makes it {value}; "
                               "leave it out (the checkpoint's dimensions come from its config.json)")
     cfg = load([config_spec, *overrides, *(f"model.{k}={_value_text(v)}" for k, v in keys.items())])
-    depth, available = getattr(models.model_config(cfg), "mtp_depth", 0), family.hf.mtp_layers(fields)
+    depth, available = getattr(models.model_config(cfg.model), "mtp_depth", 0), family.hf.mtp_layers(fields)
     if depth > available:
         raise ConfigError(f"model.mtp_depth={depth}, but {hf.directory} has {available} multi-token-prediction "
                           f"layer(s) (config.json num_nextn_predict_layers); set model.mtp_depth={available}")
@@ -83,7 +83,7 @@ def _shape_error(hf, name, path, expected, got=None):
 def convert(hf, cfg, family, out):
     """Writes the weights of `hf` for the model of `cfg` into out/checkpoints/0; returns (tensors read, the
     names left unused, parameters written)."""
-    c = models.model_config(cfg)
+    c = models.model_config(cfg.model)
     leaves = models.weight_leaves(c)
     groups = family.hf.groups(c)
     stacked = {group.path(p) for group in groups if group.stack for r in group.rules for p in r.ours}
@@ -142,10 +142,10 @@ def from_hf(hf_dir, config_spec, overrides, out, say=print):
 
     started = time.time()
     hf = HFCheckpoint(hf_dir)
-    cfg, family, differs = resolve_config(hf, config_spec, overrides)
+    cfg, family, differs = merged_config(hf, config_spec, overrides)
     if os.path.isdir(os.path.join(out, "checkpoints")) and os.listdir(os.path.join(out, "checkpoints")):
         raise ConfigError(f"--out {out} already holds checkpoints; nothing was changed: give a new directory")
-    c = models.model_config(cfg)
+    c = models.model_config(cfg.model)
     architecture = hf.config["architectures"][0]
     say(f"from-hf: {hf_dir} ({architecture}, {len(hf.files)} shard(s), {gib(hf.nbytes())}) -> {out}/checkpoints/0 "
         f"({cfg.model.family}, {c.param_dtype} parameters)")

@@ -1,12 +1,15 @@
 """Model families: the registry, and the one place a model configuration + an OffloadPlan become a model.
 
 A family is
-  - a frozen config dataclass (models/base.FromConfig): its fields, `validate()` (the family's own checks,
+  - a frozen config dataclass (deriving from models/base.ModelConfig, which declares the fields every family
+    shares, or at least from models/base.FromConfig): its own fields, `validate()` (the family's own checks,
     one ConfigError line each), `layer_groups()` (its separately scanned stacks) and the planner's cost
     table (`contractions`, `matmul_params_per_token`, `attention_dims`);
-  - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, experts=);
-  - `fields`: its own cfg.model keys {key: (default, meaning)} (the keys every family shares are in
-    config/defaults.py), joined to the config schema by `register`;
+  - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, layout=, numerics=):
+    the parallel layout (parallel/layout.py: mesh, rules, expert exchange) and the weight matmuls' numerics
+    (models/matmul.Numerics) are handed to it, never read from anywhere else;
+  - `fields`: its own `model` section keys {key: (default, meaning)}: by default its dataclass's own fields
+    (models/base.field carries each one's default and meaning), joined to the config schema by `register`;
   - `hf`: its weights in the Hugging Face layout (models/hf.HFFormat), which MaxOffload/convert reads and
     writes.
 The names a family tags are read from its traced forward pass (`Family.tagged_names`), never kept by hand.
@@ -22,7 +25,7 @@ from MaxOffload.models import deepseek, deepseek_hf, llama, llama_hf
 class Family:
     config_class: type
     model_class: type
-    fields: dict = dataclasses.field(default_factory=dict)
+    fields: dict = None  # {key: (default, meaning)}; None: the config class's own fields (models/base.keys)
     hf: object = None
 
     def layer_groups(self, config):
@@ -38,22 +41,27 @@ FAMILIES = {}
 
 
 def register(name, family):
-    """Adds a family under model.family=`name`; its own config keys join cfg.model (config/defaults.py
+    """Adds a family under model.family=`name`; its own config keys join the `model` section (config/defaults.py
     full_schema: a key another family or the shared section has must keep its default)."""
+    if family.fields is None:  # a models/base.ModelConfig's own fields declare its keys
+        from MaxOffload.models import base
+
+        family = dataclasses.replace(family, fields=base.keys(family.config_class))
     FAMILIES[name] = family
 
 
-register("llama", Family(llama.LlamaConfig, llama.Llama, llama.FIELDS, llama_hf.LlamaHF()))
-register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, deepseek.FIELDS, deepseek_hf.DeepSeekHF()))
+register("llama", Family(llama.LlamaConfig, llama.Llama, hf=llama_hf.LlamaHF()))
+register("deepseek", Family(deepseek.DeepSeekConfig, deepseek.DeepSeek, hf=deepseek_hf.DeepSeekHF()))
 
 
-def model_config(cfg):
-    """The family's explicit (frozen dataclass) model configuration from cfg.model."""
-    return FAMILIES[cfg.model.family].config_class.from_config(cfg.model)
+def model_config(section):
+    """The family's explicit (frozen dataclass) model configuration from a config's `model` section."""
+    return FAMILIES[section.family].config_class.from_config(section)
 
 
-def layer_groups(cfg):
-    return model_config(cfg).layer_groups()
+def layer_groups(section):
+    """{name: (start, stop)}: the separately scanned stacks of the model a `model` section describes."""
+    return model_config(section).layer_groups()
 
 
 def family_of(config):
@@ -71,14 +79,16 @@ def weights(model):
 
 
 def abstract_model(config):
-    """The model of a model configuration, abstract (shapes and dtypes only: nothing is allocated)."""
+    """The model of a model configuration, abstract (shapes and dtypes only: nothing is allocated; its kernels
+    are the CPU's choices, which have the same parameters and tag the same names as any other's)."""
     from flax import nnx
 
+    from MaxOffload.models import kernels
     from MaxOffload.offload import segments
     from MaxOffload.offload.plan import OffloadPlan
 
     plan = OffloadPlan(tuple(segments.uniform("full", config.layer_groups())))
-    return nnx.eval_shape(lambda: build(config, plan, nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: build(kernels.for_platform(config, "cpu"), plan, nnx.Rngs(0)))
 
 
 def weight_leaves(config):
@@ -94,11 +104,14 @@ def by_architecture(architecture):
     return next((f for f in FAMILIES.values() if f.hf and architecture in f.hf.architectures), None)
 
 
-def build(config, plan, rngs, experts=None):
-    """The model for a model configuration under an OffloadPlan (MaxOffload/resolve.py makes both); `experts`:
-    the parallel/expert.ExpertLayout its MoE layers exchange tokens over (None: every expert local)."""
+def build(config, plan, rngs, layout=None, numerics=None):
+    """The model for a model configuration under an OffloadPlan (MaxOffload/from_config.py makes both), built for a
+    parallel layout (parallel/layout.ParallelLayout; None: no mesh, every placement a no-op) and a numerics
+    policy (models/matmul.Numerics; None: bf16 in the configured compute dtype)."""
+    from MaxOffload.parallel.layout import NONE
+
     return family_of(config).model_class(config, remat_segments=plan.by_stack(), params_on_host=plan.params_on_host,
-                                         rngs=rngs, experts=experts)
+                                         rngs=rngs, layout=layout or NONE, numerics=numerics)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,12 +5,7 @@ from MaxOffload.errors import require
 
 
 class FromConfig:
-    """Mixin for a family's frozen dataclass: built from the cfg.model section (config read at the edge)."""
-
-    # Multi-token prediction: a family that has it makes these dataclass fields (models/deepseek.py); its model
-    # then returns aux["mtp_logits"], which the train step weighs in (train/step.py).
-    mtp_depth = 0
-    mtp_loss_weight = 0.0
+    """Mixin for a family's frozen dataclass: built from a config's `model` section (config read at the edge)."""
 
     @classmethod
     def from_config(cls, model_cfg):
@@ -56,3 +51,41 @@ class FromConfig:
     def require_non_negative(self, *fields):
         for f in fields:
             require(getattr(self, f) >= 0, f"model.{f} must be >= 0, got {getattr(self, f)}")
+
+
+def field(default, meaning):
+    """A model configuration field: its default and meaning are its `model` section key's (config/defaults.py
+    reads them from the dataclass: a key is declared once)."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig(FromConfig):
+    """The fields every family shares, declared once: the `model` section's shared keys are these
+    (config/defaults.py reads them from here). A family's dataclass derives from it (kw_only) and adds its own."""
+    vocab_size: int = field(512, "vocabulary size (embedding rows); must cover the tokenizer")
+    emb_dim: int = field(256, "model width d_model")
+    num_layers: int = field(4, "number of decoder layers")
+    num_heads: int = field(8, "query heads")
+    mlp_dim: int = field(704, "hidden size of the SwiGLU MLP (deepseek: of the dense layers)")
+    norm_eps: float = field(1e-5, "RMSNorm epsilon")
+    rope_theta: float = field(10000.0, "RoPE base frequency")
+    rope_scaling: str = field("none", "RoPE frequency scaling: none | llama3 (Llama 3.1) | yarn (DeepSeek-V3)")
+    rope_factor: float = field(8.0, "llama3 scaling: factor for low frequencies; yarn: context extension factor")
+    rope_original_max_len: int = field(8192, "llama3 / yarn scaling: original context length")
+    tie_embeddings: bool = field(False, "share the token embedding with the output projection")
+    param_dtype: str = field("float32", "parameter (and optimizer state) dtype: float32 | bfloat16")
+    compute_dtype: str = field("bfloat16", "matmul/activation dtype: float32 | bfloat16")
+    attention: str = field("auto", "causal attention: auto (flash on GPUs, xla on CPU) | xla (query blocks that "
+                                   "skip the keys they cannot see) | flash (tokamax's fused kernel; "
+                                   "models/kernels.py)")
+    scan_layers: bool = field(True, "scan over layers (compile time flat in depth); false = Python loop")
+    init_std: float = field(0.02, "standard deviation of the normal weight initialiser")
+
+
+def keys(config_class, shared=False):
+    """{key: (default, meaning)} of a model configuration class's fields: ModelConfig's (shared=True), or the
+    family's own (those ModelConfig does not have)."""
+    base = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {f.name: (f.default, f.metadata["meaning"]) for f in dataclasses.fields(config_class)
+            if (f.name in base) == shared}

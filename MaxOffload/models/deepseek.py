@@ -26,55 +26,15 @@ import numpy as np
 from flax import nnx
 
 from MaxOffload.errors import require, require_choice
-from MaxOffload.models import components, kernels
-from MaxOffload.models.base import FromConfig
+from MaxOffload.models import components, kernels, matmul, routing
+from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
-from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
-from MaxOffload.models.moe import MoE, RouterBias, updated_bias
+from MaxOffload.models.stack import DecoderModel, masked_cross_entropy, run_layers, stacked_layers
+from MaxOffload.models.moe import MoE
 from MaxOffload.offload import names
-from MaxOffload.parallel.logical import constrain
+from MaxOffload.parallel.layout import NONE
 
-# The family's own cfg.model keys (the shared ones are in config/defaults.py).
-FIELDS = {
-    "rope_beta_fast": (32.0, "yarn: frequencies turning more often than this within the original context "
-                             "are kept"),
-    "rope_beta_slow": (1.0, "yarn: frequencies turning less often than this are divided by rope_factor"),
-    "rope_mscale": (1.0, "yarn: mscale (the rotated parts are scaled by mscale(factor, rope_mscale) / "
-                         "mscale(factor, rope_mscale_all_dim))"),
-    "rope_mscale_all_dim": (1.0, "yarn: the softmax scale is multiplied by (0.1 * rope_mscale_all_dim * "
-                                 "ln(rope_factor) + 1)^2"),
-    # Multi-head Latent Attention
-    "q_lora_rank": (64, "deepseek MLA: rank of the query down-projection (the q latent)"),
-    "kv_lora_rank": (32, "deepseek MLA: rank of the key/value down-projection (the kv latent)"),
-    "qk_nope_head_dim": (32, "deepseek MLA: per-head query/key dimension without RoPE"),
-    "qk_rope_head_dim": (16, "deepseek MLA: per-head query/key dimension with RoPE (the key part is shared "
-                             "by all heads)"),
-    "v_head_dim": (32, "deepseek MLA: per-head value dimension"),
-    # MoE
-    "first_k_dense": (1, "deepseek: the first k layers are dense (SwiGLU of mlp_dim), the rest MoE"),
-    "num_experts": (8, "deepseek: routed experts per MoE layer"),
-    "num_experts_per_tok": (2, "deepseek: routed experts each token is sent to (top-k)"),
-    "num_shared_experts": (1, "deepseek: shared experts every token passes through"),
-    "moe_mlp_dim": (128, "deepseek: hidden size of each routed and shared expert"),
-    "n_groups": (1, "deepseek: expert groups for group-limited routing (1 = no grouping)"),
-    "topk_groups": (1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores"),
-    "routed_scaling_factor": (1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by this"),
-    "router_bias_update_rate": (0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each step "
-                                       "bias += gamma * sign(mean load - load)"),
-    "seq_balance_loss_weight": (0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)"),
-    "capacity_factor": (0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * seq_len "
-                             "* top_k / num_experts) tokens per sequence, later ones are dropped"),
-    "moe_kernel": ("auto", "deepseek: the dropless grouped GEMM: auto (tokamax's Triton kernel on GPUs, XLA's "
-                           "ragged_dot on CPU) | xla | tokamax (models/kernels.py)"),
-    "mtp_depth": (0, "deepseek: multi-token prediction depth D (0 = off; DeepSeek-V3 trained with 1): D more "
-                     "blocks, each predicting one token further ahead; the layer group \"mtp\""),
-    "mtp_loss_weight": (0.3, "deepseek: lambda of multi-token prediction: loss = main loss + lambda / D x the "
-                             "depths' cross-entropies (DeepSeek-V3: 0.3 early in training, 0.1 later)"),
-    "moe_buffer_factor": (0.0, "deepseek, dropless: rows per device = factor x a balanced step's (0 = the worst "
-                               "case, every choice on this device's experts); choices past it are dropped and "
-                               "counted in moe/dropped_fraction"),
-}
 
 # Per-layer MoE metrics (moe/max_load_layerN, ...) for models with at most this many MoE layers.
 PER_LAYER_METRICS_UP_TO = 8
@@ -106,48 +66,51 @@ PRESETS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class DeepSeekConfig(FromConfig):
-    vocab_size: int
-    emb_dim: int
-    num_layers: int
-    first_k_dense: int
-    mlp_dim: int  # the dense layers' SwiGLU
-    num_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    num_shared_experts: int
-    moe_mlp_dim: int
-    n_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling_factor: float = 1.0
-    router_bias_update_rate: float = 0.001
-    seq_balance_loss_weight: float = 0.0
-    capacity_factor: float = 0.0
-    moe_kernel: str = "auto"
-    moe_buffer_factor: float = 0.0
-    mtp_depth: int = 0
-    mtp_loss_weight: float = 0.3
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: str = "none"
-    rope_factor: float = 40.0
-    rope_original_max_len: int = 4096
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_mscale: float = 1.0
-    rope_mscale_all_dim: float = 1.0
-    tie_embeddings: bool = False
-    param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
-    attention: str = "auto"
-    scan_layers: bool = True
-    init_std: float = 0.02
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSeekConfig(ModelConfig):
+    """DeepSeek-V3's own fields beside the shared ones (models/base.ModelConfig): MLA, MoE, MTP, YaRN."""
+    rope_beta_fast: float = field(32.0, "yarn: frequencies turning more often than this within the original context "
+                                        "are kept")
+    rope_beta_slow: float = field(1.0, "yarn: frequencies turning less often than this are divided by rope_factor")
+    rope_mscale: float = field(1.0, "yarn: mscale (the rotated parts are scaled by mscale(factor, rope_mscale) / "
+                                    "mscale(factor, rope_mscale_all_dim))")
+    rope_mscale_all_dim: float = field(1.0, "yarn: the softmax scale is multiplied by (0.1 * rope_mscale_all_dim * "
+                                            "ln(rope_factor) + 1)^2")
+    q_lora_rank: int = field(64, "deepseek MLA: rank of the query down-projection (the q latent)")
+    kv_lora_rank: int = field(32, "deepseek MLA: rank of the key/value down-projection (the kv latent)")
+    qk_nope_head_dim: int = field(32, "deepseek MLA: per-head query/key dimension without RoPE")
+    qk_rope_head_dim: int = field(16, "deepseek MLA: per-head query/key dimension with RoPE (the key part is shared "
+                                      "by all heads)")
+    v_head_dim: int = field(32, "deepseek MLA: per-head value dimension")
+    first_k_dense: int = field(1, "deepseek: the first k layers are dense (SwiGLU of mlp_dim), the rest MoE")
+    num_experts: int = field(8, "deepseek: routed experts per MoE layer")
+    num_experts_per_tok: int = field(2, "deepseek: routed experts each token is sent to (top-k)")
+    num_shared_experts: int = field(1, "deepseek: shared experts every token passes through")
+    moe_mlp_dim: int = field(128, "deepseek: hidden size of each routed and shared expert")
+    n_groups: int = field(1, "deepseek: expert groups for group-limited routing (1 = no grouping)")
+    topk_groups: int = field(1, "deepseek: groups a token may use, ranked by the sum of each group's top-2 scores")
+    routed_scaling_factor: float = field(1.0, "deepseek: gate weights (normalised chosen scores) are multiplied by "
+                                              "this")
+    router: str = field('deepseek', "deepseek: the MoE router (models/routing.ROUTERS): deepseek (sigmoid scores, "
+                                    "group-limited top-k on scores + a balancing bias) | softmax (softmax top-k, "
+                                    "renormalised gates)")
+    router_bias_update_rate: float = field(0.001, "deepseek: gamma of auxiliary-loss-free balancing: after each "
+                                                  "step bias += gamma * sign(mean load - load)")
+    seq_balance_loss_weight: float = field(0.0, "deepseek: alpha of the sequence-wise balance loss (0 = off)")
+    capacity_factor: float = field(0.0, "deepseek: 0 = dropless; > 0: each expert takes at most ceil(factor * "
+                                        "seq_len * top_k / num_experts) tokens per sequence, later ones are dropped")
+    moe_kernel: str = field('auto', "deepseek: the dropless grouped GEMM: auto (tokamax's Triton kernel on GPUs, "
+                                    "XLA's ragged_dot on CPU) | xla | tokamax (models/kernels.py)")
+    mtp_depth: int = field(0, "deepseek: multi-token prediction depth D (0 = off; DeepSeek-V3 trained with 1): D "
+                              "more blocks, each predicting one token further ahead; the layer group \"mtp\"")
+    mtp_loss_weight: float = field(0.3, "deepseek: lambda of multi-token prediction: loss = main loss + lambda / D "
+                                        "x the depths' cross-entropies (DeepSeek-V3: 0.3 early in training, 0.1 "
+                                        "later)")
+    moe_buffer_factor: float = field(0.0, "deepseek, dropless: rows per device = factor x a balanced step's (0 = "
+                                          "the worst case, every choice on this device's experts); choices past it "
+                                          "are dropped and counted in moe/dropped_fraction")
+
+
 
     @property
     def num_moe_layers(self):
@@ -176,6 +139,7 @@ class DeepSeekConfig(FromConfig):
         self.require_non_negative("num_shared_experts", "router_bias_update_rate", "seq_balance_loss_weight",
                                   "capacity_factor", "moe_buffer_factor", "mtp_depth", "mtp_loss_weight")
         require_choice("model.moe_kernel", self.moe_kernel, kernels.GROUPED_GEMM)
+        require_choice("model.router", self.router, tuple(routing.ROUTERS))
         require(not (self.capacity_factor and self.moe_buffer_factor),
                 "model.moe_buffer_factor bounds dropless mode's rows; with model.capacity_factor set, the capacity "
                 "bounds them: set one of the two")
@@ -271,10 +235,11 @@ class MLA(nnx.Module):
     plus a RoPE key part (qk_rope_head_dim) also shared by all heads (decoupled RoPE)."""
 
     def __init__(self, *, emb_dim, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-                 v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, compute_dtype,
-                 init_std, rngs, attention="auto"):
+                 v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, numerics,
+                 init_std, rngs, attention="auto", layout=NONE):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
-        self.rope_amplitude, self.softmax_scale, self.compute_dtype = rope_amplitude, softmax_scale, compute_dtype
+        self.rope_amplitude, self.softmax_scale, self.numerics = rope_amplitude, softmax_scale, numerics
+        self.layout = layout
         self.attention_choice = attention
         self.nope, self.kv_lora_rank = qk_nope_head_dim, kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
@@ -297,20 +262,21 @@ class MLA(nnx.Module):
 
     @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
-        cdt, nope = self.compute_dtype, self.nope
-        q_latent = names.tag(x @ self.wq_a[...].astype(cdt), names.QUERY_WA_PROJ)
+        nope = self.nope
+        project = lambda spec, a, w: matmul.dense(a, w[...], spec, components.PROJECTIONS, self.numerics)  # noqa: E731
+        q_latent = names.tag(project(None, x, self.wq_a), names.QUERY_WA_PROJ)
         q_latent = names.tag(self.q_norm(q_latent), names.MLA_Q)
-        q = names.tag(jnp.einsum("blr,rhd->blhd", q_latent, self.wq_b[...].astype(cdt)), names.QUERY_PROJ)
-        kv = names.tag(x @ self.wkv_a[...].astype(cdt), names.KV_WA_PROJ)
+        q = names.tag(project("blr,rhd->blhd", q_latent, self.wq_b), names.QUERY_PROJ)
+        kv = names.tag(project(None, x, self.wkv_a), names.KV_WA_PROJ)
         kv_latent = names.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
-        k_nope = names.tag(jnp.einsum("blr,rhd->blhd", kv_latent, self.wk_b[...].astype(cdt)), names.KEY_PROJ)
-        v = names.tag(jnp.einsum("blr,rhd->blhd", kv_latent, self.wv_b[...].astype(cdt)), names.VALUE_PROJ)
+        k_nope = names.tag(project("blr,rhd->blhd", kv_latent, self.wk_b), names.KEY_PROJ)
+        v = names.tag(project("blr,rhd->blhd", kv_latent, self.wv_b), names.VALUE_PROJ)
         k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        out = names.tag(attention(q, k, v, self.softmax_scale, self.attention_choice), names.ATTENTION_OUT)
-        out = jnp.einsum("blhd,hde->ble", out, self.wo[...].astype(cdt))
-        return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+        out = names.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout), names.ATTENTION_OUT)
+        out = project("blhd,hde->ble", out, self.wo)
+        return names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,10 +286,11 @@ class MLA(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm MLA + (SwiGLU | MoE). An MoE layer returns (x, MoE statistics)."""
 
-    def __init__(self, c: DeepSeekConfig, *, moe, rngs, experts=None):
-        pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
+    def __init__(self, c: DeepSeekConfig, *, moe, rngs, layout=NONE, numerics=None):
+        pdt = jnp.dtype(c.param_dtype)
         inv_freq, amplitude, softmax_scale = rope_setup(c)
-        common = dict(param_dtype=pdt, compute_dtype=cdt, init_std=c.init_std, rngs=rngs)
+        numerics = numerics or matmul.Numerics(c.compute_dtype)
+        common = dict(param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs, layout=layout)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = MLA(emb_dim=c.emb_dim, num_heads=c.num_heads, q_lora_rank=c.q_lora_rank,
                              kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
@@ -332,11 +299,10 @@ class DecoderLayer(nnx.Module):
                              attention=c.attention, **common)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         if moe:
-            self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
-                           mlp_dim=c.moe_mlp_dim, num_shared=c.num_shared_experts, n_groups=c.n_groups,
-                           topk_groups=c.topk_groups, scaling=c.routed_scaling_factor,
-                           capacity_factor=c.capacity_factor, experts=experts, kernel=c.moe_kernel,
-                           buffer_factor=c.moe_buffer_factor, **common)
+            self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, mlp_dim=c.moe_mlp_dim,
+                           num_shared=c.num_shared_experts, router=routing.ROUTERS[c.router].of(c),
+                           capacity_factor=c.capacity_factor, kernel=c.moe_kernel, buffer_factor=c.moe_buffer_factor,
+                           **common)
         else:
             self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, **common)
 
@@ -355,40 +321,58 @@ class MTPLayer(nnx.Module):
     block and its own norm before the shared output head (Hugging Face: enorm, hnorm, eh_proj, the block,
     shared_head.norm). Returns (the normalised hidden state, {"hidden": the same, MoE statistics})."""
 
-    def __init__(self, c: DeepSeekConfig, *, rngs, experts=None):
+    def __init__(self, c: DeepSeekConfig, *, rngs, layout=NONE, numerics=None):
         pdt = jnp.dtype(c.param_dtype)
-        self.compute_dtype = jnp.dtype(c.compute_dtype)
+        self.numerics, self.layout = numerics or matmul.Numerics(c.compute_dtype), layout
         self.enorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.hnorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         # [embedding; hidden] -> emb_dim (a mesh axis shards only the first of the two "embed" axes)
         self.eh_proj = param(rngs, (2 * c.emb_dim, c.emb_dim), ("embed", "embed"), pdt, c.init_std)
-        self.block = DecoderLayer(c, moe=c.mtp_moe, rngs=rngs, experts=experts)
+        self.block = DecoderLayer(c, moe=c.mtp_moe, rngs=rngs, layout=layout, numerics=numerics)
         self.head_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
 
     def __call__(self, h, positions, next_embeds):
         with jax.named_scope(components.PROJECTIONS):
             joined = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h)], axis=-1)
-            x = constrain(joined @ self.eh_proj[...].astype(self.compute_dtype), BATCH_LENGTH_EMBED)
+            x = matmul.dense(joined, self.eh_proj[...], None, components.PROJECTIONS, self.numerics)
+            x = self.layout.constrain(x, BATCH_LENGTH_EMBED)
         out = self.block(x, positions)
         x, stats = out if isinstance(out, tuple) else (out, {})
         normed = self.head_norm(x)
         return normed, {"hidden": normed, **stats}
 
 
+def mtp_cross_entropy(mtp_logits, targets, mask):
+    """Multi-token prediction's loss: the mean over depths k = 1..D of depth k's mean cross-entropy, where its
+    logits at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions have no
+    such target and are masked."""
+    length = targets.shape[1]
+    losses = []
+    for k, logits in enumerate(mtp_logits, start=1):
+        within = jnp.arange(length) < length - k
+        total, count = masked_cross_entropy(logits, jnp.roll(targets, -k, axis=1), jnp.roll(mask, -k, axis=1) * within)
+        losses.append(total / jnp.maximum(count, 1.0))
+    return sum(losses) / len(losses)
+
+
 class DeepSeek(DecoderModel):
-    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, experts=None):
-        """experts: the parallel/expert.ExpertLayout of the MoE layers' exchange (None: every expert local)."""
+    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, layout=NONE, numerics=None):
+        """layout: the parallel/layout.ParallelLayout the model is built for; numerics: its weight matmuls' policy
+        (models/matmul.Numerics; default: bf16 in the configured compute dtype)."""
         self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())
         self.mtp_segments = remat_segments.get("mtp", ())
-        self.init_embeddings(c, params_on_host, rngs)
+        self.init_embeddings(c, params_on_host, rngs, layout, numerics)
+        self.router_kind = routing.ROUTERS[c.router].of(c)
+        kind = dict(layout=layout, numerics=self.numerics)
         if c.first_k_dense:
-            self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r), c.first_k_dense, rngs)
+            self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r, **kind), c.first_k_dense,
+                                               rngs)
         if c.num_moe_layers:
-            self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r, experts=experts),
-                                             c.num_moe_layers, rngs)
+            self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r, **kind), c.num_moe_layers,
+                                             rngs)
         self.init_head(c, rngs)
         if c.mtp_depth:  # created last: the main model's parameters are the same with and without MTP
-            self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, experts=experts), c.mtp_depth, rngs)
+            self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, **kind), c.mtp_depth, rngs)
 
     def __call__(self, tokens):
         """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux).
@@ -410,7 +394,8 @@ class DeepSeek(DecoderModel):
         aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
         if c.mtp_depth:
             ahead = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, c.mtp_depth + 1)])
-            next_embeds = constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype), (None, *BATCH_LENGTH_EMBED))
+            next_embeds = self.layout.constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype),
+                                                (None, *BATCH_LENGTH_EMBED))
             _, mtp = run_layers(self.mtp_layers, normed, positions, self.mtp_segments, c.scan_layers, host,
                                 with_outputs=True, per_layer=next_embeds)
             aux["mtp_logits"] = self.unembed_normed(mtp.pop("hidden"), embed)
@@ -421,36 +406,60 @@ class DeepSeek(DecoderModel):
             aux.update(self._moe_aux(stats))
         return self.unembed_normed(normed, embed), aux
 
+    def target_losses(self, aux, targets, mask):
+        """Multi-token prediction: (mtp_loss_weight x the MTP loss, aux with mtp_logits consumed and
+        metrics["mtp_loss"] added)."""
+        if "mtp_logits" not in aux:
+            return 0.0, aux
+        aux = dict(aux)
+        mtp = mtp_cross_entropy(aux.pop("mtp_logits"), targets, mask)
+        aux["metrics"] = {**aux.get("metrics", {}), "mtp_loss": mtp}
+        return self.config.mtp_loss_weight * mtp, aux
+
     def _moe_aux(self, stacks):
-        """Balance loss, the biases' update and expert-load metrics from the MoE stacks' statistics (each
-        [layers of the stack, ...]; the main MoE layers, then the MTP blocks). max_load = busiest expert's
-        choices / mean choices per expert."""
-        c = self.config
-        # the same structure as the model's non-Param variables (TrainSetup's model_state), updated per stack
-        model_state = nnx.to_pure_dict(nnx.state(self, RouterBias))
-        biases = []
-        for path, s, _ in stacks:
-            module = functools.reduce(lambda tree, key: tree[key], path, model_state)
-            module["router_bias"] = jax.lax.stop_gradient(updated_bias(module["router_bias"], s["load"],
-                                                                       c.router_bias_update_rate))
-            biases.append(module["router_bias"])
+        """Balance loss, the router state's update (DeepSeek-V3: the biases) and expert-load metrics from the MoE
+        stacks' statistics (each [layers of the stack, ...]; the main MoE layers, then the MTP blocks), the router's
+        own metrics beside them. max_load = busiest expert's choices / mean choices per expert."""
+        c, router = self.config, self.router_kind
+        loads = [s["load"] for _, s, _ in stacks]
+        model_state = self.next_model_state(loads)
+        own = [router.metrics(s, self._router_state(model_state, path)) for path, s, _ in stacks]
         joined = lambda key: jnp.concatenate([s[key] for _, s, _ in stacks])  # noqa: E731
-        load, dropped_choices, bias = joined("load"), joined("dropped"), jnp.concatenate(biases)
+        load, dropped_choices = joined("load"), joined("dropped")
         layers = [layer for _, _, indices in stacks for layer in indices]
         max_load = load.max(-1) / load.mean(-1)
-        bias_range = bias.max(-1) - bias.min(-1)
         dropped = dropped_choices / load.sum(-1)
-        metrics = {"moe/max_load": max_load.max(), "moe/mean_max_load": max_load.mean(),
-                   "moe/mean_bias_range": bias_range.mean()}
+        per_layer = {"max_load": max_load, **{k: jnp.concatenate([m[k] for m in own]) for k in own[0]}}
+        metrics = {"moe/max_load": max_load.max(), **{f"moe/mean_{k}": v.mean() for k, v in per_layer.items()}}
         if c.capacity_factor or c.moe_buffer_factor:
             metrics["moe/dropped_fraction"] = dropped_choices.sum() / load.sum()
+            per_layer["dropped_fraction"] = dropped
+        balance = joined("balance") if "balance" in stacks[0][1] else jnp.zeros((1,))
         if c.seq_balance_loss_weight:
-            metrics["moe/balance_loss"] = joined("balance").mean()
+            metrics["moe/balance_loss"] = balance.mean()
         if len(layers) <= PER_LAYER_METRICS_UP_TO:
             for i, layer in enumerate(layers):
-                metrics[f"moe/max_load_layer{layer}"] = max_load[i]
-                metrics[f"moe/bias_range_layer{layer}"] = bias_range[i]
-                if c.capacity_factor or c.moe_buffer_factor:
-                    metrics[f"moe/dropped_fraction_layer{layer}"] = dropped[i]
-        return {"aux_loss": c.seq_balance_loss_weight * joined("balance").sum(), "metrics": metrics,
-                "model_state": model_state}
+                metrics.update({f"moe/{k}_layer{layer}": v[i] for k, v in per_layer.items()})
+        return {"aux_loss": c.seq_balance_loss_weight * balance.sum(), "metrics": metrics, "model_state": model_state,
+                "statistics": loads}
+
+    def _router_paths(self):
+        """The paths of the MoE modules of each stack, in the order of the statistics: the main MoE layers, then
+        the MTP blocks when they are MoE blocks."""
+        c = self.config
+        return ([("moe_layers", "mlp")] if c.num_moe_layers else []) + \
+            ([("mtp_layers", "block", "mlp")] if c.mtp_depth and c.mtp_moe else [])
+
+    def _router_state(self, model_state, path):
+        module = functools.reduce(lambda tree, key: tree.get(key, {}), path, model_state)  # {}: no router state
+        return {name: module[name] for name in self.router_kind.state}
+
+    def next_model_state(self, statistics):
+        """The model's non-Param variables (TrainSetup's model_state) after a step whose routing statistics (aux
+        "statistics": each MoE stack's expert loads [layers, experts], additive over micro-batches) are given:
+        the router's own update (DeepSeek-V3: the selection biases)."""
+        model_state = nnx.to_pure_dict(nnx.state(self, nnx.Not(nnx.Param)))
+        for path, load in zip(self._router_paths(), statistics):
+            module = functools.reduce(lambda tree, key: tree.get(key, {}), path, model_state)
+            module.update(self.router_kind.next_state(self._router_state(model_state, path), load))
+        return model_state

@@ -4,7 +4,7 @@ MaxOffload/convert in both directions.
 
 A family's `HFFormat` says
   - which `architectures` of a config.json it reads;
-  - `model_keys(hf_config)`: the cfg.model keys a config.json sets (a field this project cannot honour is a
+  - `model_keys(hf_config)`: the `model` section keys a config.json sets (a field this project cannot honour is a
     ConfigError: one line naming it);
   - `config_json(model_config)`: the config.json of an export;
   - `groups(model_config)`: the weights as Groups of Rules.

@@ -3,8 +3,8 @@ GPUs): the grouped GEMM of dropless MoE and fused causal attention; XLA's own op
 cheap (CPU).
 
 Why a kernel: XLA's GPU compiler rewrites `jax.lax.ragged_dot` into a dense dot, the rows expanded over every
-expert (experts x the FLOPs, gigabytes of temporaries; ../shared/REFERENCE.md 2b). tokamax's Pallas-Triton
-`ragged_dot` is a grouped GEMM: one `__gpu$xla.gpu.triton` custom call per product (forward, d lhs, d rhs),
+expert (experts x the FLOPs, gigabytes of temporaries: benchmarks/results/moe_kernels_2026-12-01/). tokamax's
+Pallas-Triton `ragged_dot` is a grouped GEMM: one `__gpu$xla.gpu.triton` custom call per product (forward, d lhs, d rhs),
 temporaries in megabytes, and its work follows the group sizes. It compiles deviceless for H200 / GB200 when
 lowered with tokamax's cross_compile option on and, on jax >= 0.12, with the target GPU as the default
 device (`lowering`). Its "mosaic" implementation refuses a CPU process even then, so Triton it is.
@@ -24,6 +24,7 @@ ATTENTION, the values of `model.attention`:
 """
 import contextlib
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -42,7 +43,7 @@ def platform(device):
     return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
 
 
-def _resolve(choice, on, library, implementations):
+def _choose(choice, on, library, implementations):
     """`auto`: `library` on GPUs, 'xla' elsewhere; `library` -> '<library>:<its implementation for platform on>'."""
     if choice == "auto":
         choice = library if on == "gpu" else "xla"
@@ -51,27 +52,27 @@ def _resolve(choice, on, library, implementations):
     return choice  # 'xla', or already resolved
 
 
-def resolve(choice, on):
+def grouped_gemm_for(choice, on):
     """The grouped-GEMM kernel ('xla' | 'tokamax:<implementation>') for `model.moe_kernel=choice` on devices of
     platform `on`."""
-    return _resolve(choice, on, "tokamax", TOKAMAX_IMPLEMENTATION)
+    return _choose(choice, on, "tokamax", TOKAMAX_IMPLEMENTATION)
 
 
-def resolve_attention(choice, on):
+def attention_for(choice, on):
     """The attention kernel ('xla' | 'flash:<tokamax implementation>') for `model.attention=choice` on devices of
     platform `on`."""
-    return _resolve(choice, on, "flash", FLASH_IMPLEMENTATION)
+    return _choose(choice, on, "flash", FLASH_IMPLEMENTATION)
 
 
-def resolved(config, on):
+def for_platform(config, on):
     """A model configuration with its kernel choices (`attention`, `moe_kernel` where the family has them)
-    resolved for devices of platform `on`: TrainSetup calls it with its mesh's devices (the models never read
+    made for devices of platform `on`: TrainSetup calls it with its mesh's devices (the models never read
     the mesh)."""
     changes = {}
     if hasattr(config, "attention"):
-        changes["attention"] = resolve_attention(config.attention, on)
+        changes["attention"] = attention_for(config.attention, on)
     if hasattr(config, "moe_kernel"):
-        changes["moe_kernel"] = resolve(config.moe_kernel, on)
+        changes["moe_kernel"] = grouped_gemm_for(config.moe_kernel, on)
     return dataclasses.replace(config, **changes)
 
 
@@ -83,30 +84,26 @@ class _QuietMisses(logging.Filter):
         return "Autotuning cache miss" not in record.getMessage()
 
 
-_tokamax = None
-
-
+@functools.cache
 def _import_tokamax():
-    global _tokamax
-    if _tokamax is None:
-        from absl import flags
+    """tokamax, imported once and set up for this process."""
+    from absl import flags
 
-        # tokamax reads its options from absl flags and parses sys.argv itself when nothing has: not our argv
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        import tokamax
+    # tokamax reads its options from absl flags and parses sys.argv itself when nothing has: not our argv
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    import tokamax
 
-        # skip tokamax's check that this process has the GPU it lowers for (the deviceless compile); it must hold
-        # for the whole trace, the custom VJP's backward included, so it is set once, not in a `with` block
-        flags.FLAGS["tokamax_cross_compile"].value = True
-        logging.getLogger("absl").addFilter(_QuietMisses())
-        _tokamax = tokamax
-    return _tokamax
+    # skip tokamax's check that this process has the GPU it lowers for (the deviceless compile); it must hold
+    # for the whole trace, the custom VJP's backward included, so it is set once, not in a `with` block
+    flags.FLAGS["tokamax_cross_compile"].value = True
+    logging.getLogger("absl").addFilter(_QuietMisses())
+    return tokamax
 
 
 def ragged_dot(lhs, rhs, group_sizes, kernel):
     """lhs [R, K] x rhs [E, K, N] -> [R, N]: row r times the group whose `group_sizes` [E] span holds it; rows
-    past sum(group_sizes) give zeros. `kernel`: from resolve()."""
+    past sum(group_sizes) give zeros. `kernel`: from grouped_gemm_for()."""
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     out = _import_tokamax().ragged_dot(lhs, rhs, group_sizes, implementation=kernel.split(":", 1)[1])
@@ -118,7 +115,7 @@ def ragged_dot(lhs, rhs, group_sizes, kernel):
 
 def flash_attention(q, k, v, scale, kernel, q_sharding=None):
     """Causal attention by tokamax: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads, dv] ->
-    [b, l, heads, dv]. `kernel`: from resolve_attention; `q_sharding`: q's NamedSharding, so that the kernel runs
+    [b, l, heads, dv]. `kernel`: from attention_for; `q_sharding`: q's NamedSharding, so that the kernel runs
     per shard (tokamax's shard_map: batch and heads split, a split sequence sees all keys)."""
     return _import_tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True, q_sharding=q_sharding,
                                                    implementation=kernel.split(":", 1)[1])

@@ -1,7 +1,8 @@
 """Building blocks shared by the model families. Layers take explicit arguments, never a config.
 
-Parameters carry logical axis names (`embed`, `heads`, `mlp`, ...); parallel/ maps them
-to mesh axes. Activations that a remat policy may name are tagged from offload.names.
+Parameters carry logical axis names (`embed`, `heads`, `mlp`, ...); the parallel layout a layer is built with
+(parallel/layout.py) maps them to mesh axes. Every weight matmul goes through models/matmul.py. Activations that a
+remat policy may name are tagged from offload.names.
 """
 import math
 
@@ -9,11 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxOffload.models import components, kernels
+from MaxOffload.models import components, kernels, matmul
 from MaxOffload.models.rope import apply_rope, rope_inv_freq  # noqa: F401  (re-exported)
 from MaxOffload.offload import names
-from MaxOffload.parallel import logical
-from MaxOffload.parallel.logical import constrain
+from MaxOffload.parallel.layout import NONE
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
@@ -52,7 +52,7 @@ def xla_work_multiple(length, block=BLOCK):
 
 def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK):
     """The multiple of the model's attention FLOPs (the causal half: train/flops.py) the compiled step's
-    attention takes by construction under `kernel` (models/kernels.resolve_attention): the xla path's blocks
+    attention takes by construction under `kernel` (models/kernels.attention_for): the xla path's blocks
     (xla_work_multiple); flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py
     _attention_flops: (8 d + 6 dv) / (6 (d + dv)))."""
     if kernel == "xla":
@@ -100,23 +100,24 @@ def causal_attention(q, k, v, scale=None, block=BLOCK):
     return out.reshape(b, length, heads, dv)
 
 
-def attention(q, k, v, scale, kernel):
-    """Causal attention by `kernel`: models/kernels.resolve_attention of `model.attention` (TrainSetup resolves
-    it for its devices; an unresolved choice is resolved here for this process's default device)."""
-    kernel = kernels.resolve_attention(kernel, kernels.platform(jax.devices()[0]))
+def attention(q, k, v, scale, kernel, layout=NONE):
+    """Causal attention by `kernel`: models/kernels.attention_for of `model.attention` (TrainSetup chooses it for
+    its devices; an unchosen one is chosen here for this process's default device). The flash kernel runs per
+    shard of the layout's query sharding."""
+    kernel = kernels.attention_for(kernel, kernels.platform(jax.devices()[0]))
     if kernel == "xla":
         return causal_attention(q, k, v, scale)
     with jax.named_scope(components.ATTENTION_SCORES):
-        return kernels.flash_attention(q, k, v, scale, kernel, logical.sharding(Q_AXES))
+        return kernels.flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES))
 
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE."""
 
-    def __init__(self, *, emb_dim, num_heads, num_kv_heads, head_dim, inv_freq, param_dtype,
-                 compute_dtype, init_std, rngs, attention="auto"):
+    def __init__(self, *, emb_dim, num_heads, num_kv_heads, head_dim, inv_freq, param_dtype, numerics, init_std,
+                 rngs, attention="auto", layout=NONE):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
-        self.compute_dtype, self.attention = compute_dtype, attention
+        self.numerics, self.attention, self.layout = numerics, attention, layout
         self.wq = param(rngs, (emb_dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype, init_std)
         self.wk = param(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
                         param_dtype, init_std)
@@ -127,29 +128,29 @@ class Attention(nnx.Module):
 
     @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
-        cdt = self.compute_dtype
-        q = names.tag(jnp.einsum("ble,ehd->blhd", x, self.wq[...].astype(cdt)), names.QUERY_PROJ)
-        k = names.tag(jnp.einsum("ble,ehd->blhd", x, self.wk[...].astype(cdt)), names.KEY_PROJ)
-        v = names.tag(jnp.einsum("ble,ehd->blhd", x, self.wv[...].astype(cdt)), names.VALUE_PROJ)
+        project = lambda spec, a, w: matmul.dense(a, w[...], spec, components.PROJECTIONS, self.numerics)  # noqa: E731
+        q = names.tag(project("ble,ehd->blhd", x, self.wq), names.QUERY_PROJ)
+        k = names.tag(project("ble,ehd->blhd", x, self.wk), names.KEY_PROJ)
+        v = names.tag(project("ble,ehd->blhd", x, self.wv), names.VALUE_PROJ)
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = names.tag(attention(q, k, v, None, self.attention), names.ATTENTION_OUT)
-        out = jnp.einsum("blhd,hde->ble", out, self.wo[...].astype(cdt))
-        return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+        out = names.tag(attention(q, k, v, None, self.attention, self.layout), names.ATTENTION_OUT)
+        out = project("blhd,hde->ble", out, self.wo)
+        return names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, *, emb_dim, mlp_dim, param_dtype, compute_dtype, init_std, rngs):
-        self.compute_dtype = compute_dtype
+    def __init__(self, *, emb_dim, mlp_dim, param_dtype, numerics, init_std, rngs, layout=NONE):
+        self.numerics, self.layout = numerics, layout
         self.wi_0 = param(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), param_dtype, init_std)
         self.wi_1 = param(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), param_dtype, init_std)
         self.wo = param(rngs, (mlp_dim, emb_dim), ("mlp", "embed"), param_dtype, init_std)
 
     @components.scoped(components.MLP)
     def __call__(self, x):
-        cdt = self.compute_dtype
-        gate = names.tag(x @ self.wi_0[...].astype(cdt), names.MLPWI_0)
-        up = names.tag(x @ self.wi_1[...].astype(cdt), names.MLPWI_1)
-        out = (jax.nn.silu(gate) * up) @ self.wo[...].astype(cdt)
-        return names.tag(constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
+        mlp = lambda a, w: matmul.dense(a, w[...], None, components.MLP, self.numerics)  # noqa: E731
+        gate = names.tag(mlp(x, self.wi_0), names.MLPWI_0)
+        up = names.tag(mlp(x, self.wi_1), names.MLPWI_1)
+        out = mlp(jax.nn.silu(gate) * up, self.wo)
+        return names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)

@@ -6,19 +6,12 @@ from flax import nnx
 
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models import components
-from MaxOffload.models.base import FromConfig
+from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models.layers import Attention, RMSNorm, SwiGLU
 from MaxOffload.models.rope import rope_inv_freq
 from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import names
 
-# The family's own cfg.model keys (the shared ones are in config/defaults.py).
-FIELDS = {
-    "num_kv_heads": (4, "llama: key/value heads (grouped-query attention); divides num_heads"),
-    "head_dim": (32, "llama: dimension per attention head"),
-    "rope_low_freq_factor": (1.0, "llama3 scaling: low_freq_factor"),
-    "rope_high_freq_factor": (4.0, "llama3 scaling: high_freq_factor"),
-}
 
 _LLAMA3_1 = dict(vocab_size=128256, head_dim=128, norm_eps=1e-5, rope_theta=500000.0, rope_scaling="llama3",
                  rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
@@ -37,28 +30,15 @@ PRESETS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig(FromConfig):
-    vocab_size: int
-    emb_dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: str = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    tie_embeddings: bool = False
-    param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
-    attention: str = "auto"
-    scan_layers: bool = True
-    init_std: float = 0.02
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(ModelConfig):
+    """Llama's own fields beside the shared ones (models/base.ModelConfig): GQA, Llama 3.1 RoPE scaling."""
+    num_kv_heads: int = field(4, "llama: key/value heads (grouped-query attention); divides num_heads")
+    head_dim: int = field(32, "llama: dimension per attention head")
+    rope_low_freq_factor: float = field(1.0, "llama3 scaling: low_freq_factor")
+    rope_high_freq_factor: float = field(4.0, "llama3 scaling: high_freq_factor")
+
+
 
     def validate(self):
         self.require_positive("num_kv_heads", "head_dim")
@@ -93,17 +73,17 @@ class LlamaConfig(FromConfig):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, c: LlamaConfig, *, rngs):
-        pdt, cdt = jnp.dtype(c.param_dtype), jnp.dtype(c.compute_dtype)
+    def __init__(self, c: LlamaConfig, *, rngs, layout, numerics):
+        pdt = jnp.dtype(c.param_dtype)
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
                                  c.rope_high_freq_factor, c.rope_original_max_len)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                   head_dim=c.head_dim, inv_freq=inv_freq, param_dtype=pdt, compute_dtype=cdt,
-                                   init_std=c.init_std, rngs=rngs, attention=c.attention)
+                                   head_dim=c.head_dim, inv_freq=inv_freq, param_dtype=pdt, numerics=numerics,
+                                   init_std=c.init_std, rngs=rngs, attention=c.attention, layout=layout)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
-        self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, param_dtype=pdt, compute_dtype=cdt,
-                          init_std=c.init_std, rngs=rngs)
+        self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, param_dtype=pdt, numerics=numerics,
+                          init_std=c.init_std, rngs=rngs, layout=layout)
 
     def __call__(self, x, positions):
         x = names.tag(x, names.DECODER_LAYER_INPUT)
@@ -113,5 +93,5 @@ class DecoderLayer(nnx.Module):
 
 class Llama(SingleStackDecoder):
     @staticmethod
-    def make_layer(c: LlamaConfig, rngs):
-        return DecoderLayer(c, rngs=rngs)
+    def make_layer(c: LlamaConfig, rngs, layout, numerics):
+        return DecoderLayer(c, rngs=rngs, layout=layout, numerics=numerics)

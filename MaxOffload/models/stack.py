@@ -3,11 +3,12 @@ remat/offload policies, the per-layer host-to-device copy of host-resident weigh
 layers (token embedding in, final norm and unembedding out)."""
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
-from MaxOffload.models import components
+from MaxOffload.models import components, matmul
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
-from MaxOffload.parallel.logical import constrain
+from MaxOffload.parallel.layout import NONE
 
 
 def stacked_layers(make_layer, num_layers, rngs):
@@ -82,14 +83,23 @@ def _depth(stacked):
     return jax.tree.leaves(stacked)[0].shape[0]
 
 
+def masked_cross_entropy(logits, targets, mask):
+    """(sum of next-token cross-entropy over positions where mask=1, number of such positions)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
 class DecoderModel(nnx.Module):
     """embed -> (the family's layers) -> final norm -> unembed. A family's __init__ calls init_embeddings
     before building its layers and init_head after (parameter creation order fixes the random init), and its
     __call__ runs its layers between embed_tokens and logits."""
 
-    def init_embeddings(self, c, params_on_host, rngs):
+    def init_embeddings(self, c, params_on_host, rngs, layout=NONE, numerics=None):
+        """layout: the parallel/layout.ParallelLayout the model is built for; numerics: the weight matmuls' policy
+        (models/matmul.Numerics; default: bf16 in the configured compute dtype)."""
         self.config = c
-        self.params_on_host = params_on_host
+        self.params_on_host, self.layout = params_on_host, layout
+        self.numerics = numerics or matmul.Numerics(c.compute_dtype)
         self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), jnp.dtype(c.param_dtype), c.init_std)
 
     def init_head(self, c, rngs):
@@ -98,13 +108,23 @@ class DecoderModel(nnx.Module):
         if not c.tie_embeddings:
             self.unembed = param(rngs, (c.emb_dim, c.vocab_size), ("embed", "vocab"), pdt, c.init_std)
 
+    def next_model_state(self, statistics):
+        """The model's non-Param variables after a step with these aux "statistics" (additive over micro-batches);
+        unchanged by default (a family with state of its own, e.g. router biases, updates it)."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Not(nnx.Param)))
+
+    def target_losses(self, aux, targets, mask):
+        """(this family's losses of the targets beyond next-token cross-entropy, added to the objective; aux with
+        what they consumed removed and their metrics added). None by default."""
+        return 0.0, aux
+
     def embed_tokens(self, tokens):
         """tokens [batch, length] int32 -> (x [batch, length, emb] in the compute dtype, positions, the
         embedding table on the device)."""
         cdt = jnp.dtype(self.config.compute_dtype)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         embed = to_device(self.embed[...], self.params_on_host)
-        return constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
+        return self.layout.constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
 
     def logits(self, x, embed):
         """The final norm and the unembedding: logits [batch, length, vocab] float32."""
@@ -119,25 +139,24 @@ class DecoderModel(nnx.Module):
         which multi-token prediction shares)."""
         c, host = self.config, self.params_on_host
         unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        logits = jnp.einsum("...le,ev->...lv", x, unembed.astype(jnp.dtype(c.compute_dtype)),
-                            preferred_element_type=jnp.float32)
+        logits = matmul.dense(x, unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
         batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
-        return constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
+        return self.layout.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
 
 
 class SingleStackDecoder(DecoderModel):
     """A family whose layers are one scanned stack of identical layers (the model group "decoder"): it gives
-    `make_layer(config, rngs)` and gets the constructor every family takes and the forward pass."""
+    `make_layer(config, rngs, layout, numerics)` and gets the constructor every family takes and the forward pass."""
 
     @staticmethod
-    def make_layer(c, rngs):
-        raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs) -> one layer")
+    def make_layer(c, rngs, layout, numerics):
+        raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs, layout, numerics) -> one layer")
 
-    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, experts=None):
-        """experts: an expert-parallel layout, as every family takes (unused: no MoE layers here)."""
+    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, layout=NONE, numerics=None):
+        """layout, numerics: as DecoderModel.init_embeddings says."""
         self.remat_segments = remat_segments["decoder"]
-        self.init_embeddings(c, params_on_host, rngs)
-        self.layers = stacked_layers(lambda r: self.make_layer(c, r), c.num_layers, rngs)
+        self.init_embeddings(c, params_on_host, rngs, layout, numerics)
+        self.layers = stacked_layers(lambda r: self.make_layer(c, r, self.layout, self.numerics), c.num_layers, rngs)
         self.init_head(c, rngs)
 
     def __call__(self, tokens):

@@ -113,7 +113,7 @@ def _score_ratio(model_config):
 
 def cost_model(mc, groups, m, seq_len, pinned=None):
     """(candidates, {group: GroupCost}) for the model configuration `mc` from placement.activation_groups'
-    entries (traced under full remat); `pinned` {name: decision}: what the user fixed (MaxOffload.resolve.pins)."""
+    entries (traced under full remat); `pinned` {name: decision}: what the user fixed (MaxOffload.from_config.pins)."""
     pinned = pinned or {}
     candidates, costs = [], {}
     for entry in groups.values():

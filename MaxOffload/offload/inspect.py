@@ -60,7 +60,7 @@ def main(argv):
 
     argv, _, flags = cli.parse(argv, __doc__, flags=("--no_cpu_memory",))
     prefer_cpu_without_gpu()
-    from MaxOffload import resolve
+    from MaxOffload import from_config
     from MaxOffload.config import ConfigError, load
 
     cpu_memory = not flags["--no_cpu_memory"]
@@ -69,7 +69,7 @@ def main(argv):
     cfg = load(argv)
     if not cfg.model.scan_layers:
         raise ConfigError("inspect reads the scanned layer segments; drop model.scan_layers=false")
-    setup = resolve.train_setup(cfg, plan=planner.resolve(cfg))  # remat.policy=auto: planned for these devices
+    setup = from_config.train_setup(cfg, plan=planner.plan_for(cfg))  # remat.policy=auto: planned for these devices
     try:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
     except OSError as e:

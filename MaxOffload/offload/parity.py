@@ -27,41 +27,45 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 def _loss_and_grads(setup, params, batch, model_state=None):
     import jax
 
-    from MaxOffload.parallel import logical
-
     model_state = {} if model_state is None else model_state
-    with logical.activate(setup.mesh, setup.rules):
-        fn = jax.jit(lambda p, m, b: jax.value_and_grad(lambda q: setup.loss(q, m, b)[0])(p),
-                     in_shardings=(setup.state_shardings["params"], setup.state_shardings["model_state"],
-                                   setup.batch_shardings()))
-        return fn(params, model_state, batch)
+    fn = jax.jit(lambda p, m, b: jax.value_and_grad(lambda q: setup.loss(q, m, b)[0])(p),
+                 in_shardings=(setup.state_shardings["params"], setup.state_shardings["model_state"],
+                               setup.batch_shardings(step=False)))  # one batch, as the first micro-batch
+    return setup.compile(fn, params, model_state, batch)(params, model_state, batch)
 
 
-def compare(setup, presets=()):
-    """(reference loss, tolerance, [(label, loss, loss rel. diff, grad rel. diff, ok)]) against full remat,
-    for the TrainSetup's own plan and `presets` on every layer."""
+def first_batch(cfg):
+    """The run's first training batch (this process's rows): what the gate compares on."""
     import jax
 
-    precision = jax.default_matmul_precision("highest") if setup.cfg.model.compute_dtype == "float32" else \
+    from MaxOffload import data as data_lib
+
+    return data_lib.build(cfg, jax.process_index(), jax.process_count()).train_batch(0)
+
+
+def compare(setup, batch, presets=()):
+    """(reference loss, tolerance, [(label, loss, loss rel. diff, grad rel. diff, ok)]) against full remat on
+    `batch` (first_batch), for the TrainSetup's own plan and `presets` on every layer."""
+    import jax
+
+    precision = jax.default_matmul_precision("highest") if setup.model_config.compute_dtype == "float32" else \
         contextlib.nullcontext()  # float32: no TF32 rounding (a GPU's default) to hide a real difference
     with precision:
-        return _compare(setup, presets)
+        return _compare(setup, batch, presets)
 
 
-def _compare(setup, presets):
+def _compare(setup, host_batch, presets):
     import jax
     import jax.numpy as jnp
     import optax
 
-    from MaxOffload import data as data_lib
-
-    cfg, reference = setup.cfg, setup.with_plan(setup.plan.uniform("full"))
+    reference = setup.with_plan(setup.plan.uniform("full"))
     state = reference.init_state()
     params, model_state = state["params"], state["model_state"]
-    batch = reference.put_batch(data_lib.build(cfg, jax.process_index(), jax.process_count()).train_batch(0))
+    batch = reference.put_batch(host_batch)
     ref_loss, ref_grads = _loss_and_grads(reference, params, batch, model_state)
     ref_norm = float(optax.tree.norm(ref_grads))
-    tolerance = TOLERANCE[cfg.model.compute_dtype]
+    tolerance = TOLERANCE[setup.model_config.compute_dtype]
     rows = []
     variants = [("this config", setup)] + [(preset, setup.with_plan(setup.plan.uniform(preset))) for preset in presets]
     for label, variant in variants:
@@ -89,15 +93,15 @@ def main(argv):
 
     argv, _, flags = cli.parse(argv, __doc__, keys=(), flags=("--all_presets",))
     prefer_cpu_without_gpu()
-    from MaxOffload import resolve
+    from MaxOffload import from_config
     from MaxOffload.config import load
     from MaxOffload.offload import planner
     from MaxOffload.offload.policy import PRESETS
 
     cfg = load(argv)
-    setup = resolve.train_setup(cfg, plan=planner.resolve(cfg))  # remat.policy=auto: planned for these devices
+    setup = from_config.train_setup(cfg, plan=planner.plan_for(cfg))  # remat.policy=auto: planned for these devices
     presets = [p for p in PRESETS if p not in ("full", "custom")] if flags["--all_presets"] else []
-    ref_loss, tolerance, rows = compare(setup, presets)
+    ref_loss, tolerance, rows = compare(setup, first_batch(cfg), presets)
     print(format_rows(ref_loss, tolerance, rows))
     bad = [r[0] for r in rows if not r[4]]
     print(f"parity FAILED for: {', '.join(bad)}" if bad else "parity holds: same loss and gradients as full remat")

@@ -126,10 +126,8 @@ def activation_groups(cfg, setup):
     import jax
 
     from MaxOffload import models
-    from MaxOffload.parallel import logical
 
-    with logical.activate(setup.mesh, setup.rules):
-        jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
+    jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     found = classify_residuals(jaxpr)
     tagged = models.tagged_names(setup.model_config)
     groups, problems, expected_placements = {}, [], []

@@ -1,4 +1,4 @@
-"""The offload plan: what a run does with memory, decided once (MaxOffload/resolve.py, or the planner for
+"""The offload plan: what a run does with memory, decided once (MaxOffload/from_config.py, or the planner for
 remat.policy=auto) and read, never re-derived, by the model, the train step and every report.
 
 Per layer segment (a run of layers compiled with one policy) a decision for every tagged name; where the

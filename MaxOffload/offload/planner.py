@@ -67,7 +67,7 @@ from MaxOffload.offload.costs import (ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, C
                                       machine, usage, with_recompute_hbm)
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
-from MaxOffload.offload.search import HBM_MARGIN, Plan, plan_error, search
+from MaxOffload.offload.search import HBM_MARGIN, Choice, plan_error, search
 
 PLANNER_VERSION = 4
 CONFIRM_ROUNDS = 3  # confirming compiles before PlanError
@@ -103,7 +103,7 @@ def analytic_base(setup, groups, logits_vocab):
 
     state = setup.state_bytes_per_device(DEVICE_KIND)
     params = setup.state_bytes_per_device() // 3  # params + 2 Adam moments of the same shape
-    tokens = setup.cfg.train.per_device_batch_size * setup.cfg.train.seq_len
+    tokens = setup.per_device_batch * setup.seq_len
     carry = sum(t["bytes_per_device_per_step"] for g in groups.values() for n, t in g["tensors"].items()
                 if n in names.ALWAYS_KEPT)
     layer = max(sum(t["bytes_per_device_per_step"] for t in g["tensors"].values()) /
@@ -114,7 +114,7 @@ def analytic_base(setup, groups, logits_vocab):
 def saved_plan(base, candidates):
     """`base` (an OffloadPlan) with every candidate kept in HBM (the second anchor of with_recompute_hbm)."""
     everything = {(c.group, c.name): DEVICE for c in candidates}
-    return to_offload_plan(base, Plan(everything, {}, candidates, {}, None, 0.0, ""))
+    return to_offload_plan(base, Choice(everything, {}, candidates, {}, None, 0.0, ""))
 
 
 def compiled_memory(setup):
@@ -210,20 +210,20 @@ def choose(result, setup, m, rates, full_compiled, log):
                           for key, why in best.reasons.items()}
 
 
-def plan(cfg, target=None, topology=None, confirm=True, log=print):
-    """The Plan for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
-    from MaxOffload import resolve
+def decide(cfg, target=None, topology=None, confirm=True, log=print):
+    """The Choice for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
+    from MaxOffload import from_config
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import HOST
 
     devices = _target_devices(target, topology)
     accelerator = _accelerator(target, devices)
-    setup = resolve.train_setup(cfg, devices, resolve.template(cfg))  # full remat
+    setup = from_config.train_setup(cfg, devices, from_config.template(cfg))  # full remat
     m = machine(accelerator, cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST)) if accelerator \
         else cpu_machine()
     groups, _, _ = activation_groups(cfg, setup)
     mc = setup.model_config
-    candidates, costs = cost_model(mc, groups, m, cfg.train.seq_len, pinned=resolve.pins(cfg))
+    candidates, costs = cost_model(mc, groups, m, cfg.train.seq_len, pinned=from_config.pins(cfg))
     model_flops = sum(audit.model_flops_per_device(setup).values())
     tokens = cfg.train.per_device_batch_size * cfg.train.seq_len
     other_s = 6 * tokens * mc.emb_dim * mc.vocab_size / m.peak_flops
@@ -240,7 +240,7 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
             f" of full remat ({gib(full_hbm)}) and keep-everything ({gib(saved_hbm)})"
     else:
         base, source = analytic_base(setup, groups, mc.vocab_size), "analytic estimate (no compile)"
-    result = Plan({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s,
+    result = Choice({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s,
                   xla_preset=setup.plan.xla_preset)
     result.decisions, result.reasons = search(candidates, costs, m, base)
     if not confirm:
@@ -269,14 +269,14 @@ def plan(cfg, target=None, topology=None, confirm=True, log=print):
 
 
 def predict(cfg, target=None, topology=None, offload_plan=None):
-    """The cost model's Plan for an OffloadPlan's decisions (default: cfg's own; no search): its decisions per
+    """The cost model's Choice for an OffloadPlan's decisions (default: cfg's own; no search): its decisions per
     model group, predicted step time, TFLOP/s and HBM (analytic base). remat.policy=auto without a plan is
     planned without confirming compiles."""
-    from MaxOffload import resolve
+    from MaxOffload import from_config
 
-    result = plan(cfg, target, topology, confirm=False, log=lambda *a: None)
-    if offload_plan is None and not resolve.planned(cfg):
-        offload_plan = resolve.static_plan(cfg)
+    result = decide(cfg, target, topology, confirm=False, log=lambda *a: None)
+    if offload_plan is None and not from_config.planned(cfg):
+        offload_plan = from_config.static_plan(cfg)
     if offload_plan is not None:
         chosen = {}
         for seg in offload_plan.segments:
@@ -290,12 +290,12 @@ def check_prediction(cfg, target, topology):
     """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
     (base and recompute working set from the full-remat and keep-everything compiles, + kept tensors)
     against XLA's figure for the same config. Decisions are read from cfg's traced step, per segment."""
-    from MaxOffload import resolve
+    from MaxOffload import from_config
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import HOST
 
     devices = _target_devices(target, topology)
-    own = resolve.train_setup(cfg, devices)
+    own = from_config.train_setup(cfg, devices)
     setup = own.with_plan(own.plan.uniform("full"))
     m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
     model_candidates, _ = cost_model(setup.model_config, activation_groups(cfg, setup)[0], m, cfg.train.seq_len)
@@ -393,7 +393,7 @@ def format_plan(result):
 
 
 # ---------------------------------------------------------------------------------------------------
-# remat.policy=auto: resolve at start, cached per config
+# remat.policy=auto: planned at start, cached per config
 
 
 def _cache_dir():
@@ -405,21 +405,22 @@ def cache_key(cfg, target, topology, device_count=None):
     import jax
 
     relevant = {k: cfg[k].to_dict() for k in ("model", "remat", "mesh", "offload", "xla")}
-    relevant.update(batch=cfg.train.per_device_batch_size, seq_len=cfg.train.seq_len,
+    relevant.update(batch=cfg.train.per_device_batch_size, micro_batches=cfg.train.grad_accum_steps,
+                    seq_len=cfg.train.seq_len,
                     mem_fraction=cfg.launch.mem_fraction, target=target, topology=topology,
                     devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,
                     constants=[hardware.CALIBRATION, ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def resolve(cfg, target=None, topology=None, confirm=True, use_cache=True, log=print):
-    """The run's OffloadPlan: cfg's own (MaxOffload.resolve.static_plan), or for remat.policy=auto the planned
+def plan_for(cfg, target=None, topology=None, confirm=True, use_cache=True, log=print):
+    """The run's OffloadPlan: cfg's own (MaxOffload.from_config.static_plan), or for remat.policy=auto the planned
     one, cached per config. target/topology: plan for compile-only GPUs (the aot tool); None: for this
     process's devices."""
-    from MaxOffload import resolve as resolve_lib
+    from MaxOffload import from_config
 
-    if not resolve_lib.planned(cfg):
-        return resolve_lib.static_plan(cfg)
+    if not from_config.planned(cfg):
+        return from_config.static_plan(cfg)
     import jax
 
     key = cache_key(cfg, target, topology, None if target else jax.device_count())
@@ -434,7 +435,7 @@ def resolve(cfg, target=None, topology=None, confirm=True, use_cache=True, log=p
         except (OSError, ValueError, KeyError):
             cached = None
     if cached is None:
-        result = plan(cfg, target, topology, confirm=confirm, log=log)
+        result = decide(cfg, target, topology, confirm=confirm, log=log)
         log(format_plan(result))
         chosen, lines = group_decisions(result.decisions), override_lines(result)
         preset = result.xla_preset
@@ -449,7 +450,7 @@ def resolve(cfg, target=None, topology=None, confirm=True, use_cache=True, log=p
         except OSError:
             pass  # a cache only
     log("remat.policy=auto resolved to: " + " ".join(lines))
-    return dataclasses.replace(resolve_lib.template(cfg).per_group(chosen), xla_preset=preset)
+    return dataclasses.replace(from_config.template(cfg).per_group(chosen), xla_preset=preset)
 
 
 @tool
@@ -460,7 +461,7 @@ def main(argv):
     from MaxOffload.deviceless import require_plugin
 
     argv, _, flags = cli.parse(argv, __doc__, keys=TARGET_KEYS, flags=("--no_confirm",))
-    confirm = not flags["--no_confirm"]  # the CLI always plans afresh; resolve() caches for train.py/aot
+    confirm = not flags["--no_confirm"]  # the CLI always plans afresh; plan_for() caches for train.py/aot
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed
@@ -470,7 +471,7 @@ def main(argv):
     cfg = load(argv)
     require_plugin()
     xla.apply(cfg)
-    result = plan(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
+    result = decide(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
     print(format_plan(result))
     fits = result.hbm_bytes() <= result.machine.hbm_usable and (
         result.compiled_hbm is None or result.compiled_hbm <= result.machine.hbm_usable)

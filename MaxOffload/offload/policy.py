@@ -45,7 +45,7 @@ ACCEPTED = tuple(PRESETS) + (AUTO,)
 def decisions(preset, tensors):
     """{name: decision} for every vocabulary name: the preset, then explicit `tensors` settings."""
     if preset == AUTO:
-        raise ValueError("remat.policy=auto must be resolved first: MaxOffload.offload.planner.resolve(cfg)")
+        raise ValueError("remat.policy=auto must be planned first: MaxOffload.offload.planner.plan_for(cfg)")
     if preset not in PRESETS:
         raise ValueError(f"unknown remat policy {preset!r}")
     out = {name: PRESETS[preset].get(name, REMAT) for name in VOCABULARY}

@@ -1,6 +1,6 @@
 """The planner's search, pure (no tracing, no compiling): over the cost model's candidates
 (MaxOffload/offload/costs.py), remat / device / offload per tensor and model group within the HBM and host
-budgets (`search`), and the chosen `Plan` with its predicted HBM, host bytes and step time.
+budgets (`search`), and the chosen `Choice` with its predicted HBM, host bytes and step time.
 """
 import dataclasses
 
@@ -13,7 +13,7 @@ HBM_MARGIN = 0.03  # keep this share of usable HBM free: the model's error bar
 
 
 @dataclasses.dataclass
-class Plan:
+class Choice:
     decisions: dict  # (group, name) -> decision
     reasons: dict  # (group, name) -> why
     candidates: list

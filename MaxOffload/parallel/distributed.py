@@ -33,7 +33,7 @@ def _visible_gpus():
     return int(os.environ.get("SLURM_GPUS_ON_NODE", "0") or 0)
 
 
-def plan(cfg):
+def process_args(cfg):
     """The jax.distributed.initialize arguments for this process, or None for a single process."""
     d = cfg.distributed
     explicit = bool(d.coordinator_address) or d.num_processes > 1
@@ -82,7 +82,7 @@ def initialize(cfg):
 
     from MaxOffload.parallel import rollcall
 
-    args = plan(cfg)
+    args = process_args(cfg)
     if args is None:
         return 0, 1
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):

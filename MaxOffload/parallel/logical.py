@@ -1,14 +1,10 @@
 """Logical axis names -> mesh axes.
 
-Models name their axes (`embed`, `mlp`, `activation_batch`, ...); these rules say which
-mesh axes shard each one. The trainer activates (mesh, rules) around tracing so that
-`constrain` inside a model can place activations without knowing the mesh.
+Models name their axes (`embed`, `mlp`, `activation_batch`, ...); these rules say which mesh axes shard each one.
+A model gets them inside its parallel layout (parallel/layout.py), never from a global.
 """
-import contextlib
 import math
-import threading
 
-import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
@@ -37,9 +33,6 @@ DEFAULT_RULES = {
     "moe_mlp": ("tensor",),
 }
 
-_active = threading.local()
-
-
 def partition_spec(axes, rules, mesh_axis_names=None):
     """Logical axes tuple -> PartitionSpec; a mesh axis is used at most once per array."""
     used, spec = set(), []
@@ -63,35 +56,3 @@ def ways(mesh, entry):
 
 def named_sharding(mesh, axes, rules):
     return NamedSharding(mesh, partition_spec(axes, rules, mesh.axis_names))
-
-
-@contextlib.contextmanager
-def activate(mesh, rules):
-    """Within this block, `constrain` places activations on `mesh` by `rules`."""
-    previous = getattr(_active, "value", None)
-    _active.value = (mesh, rules)
-    try:
-        yield
-    finally:
-        _active.value = previous
-
-
-def active():
-    """(mesh, rules) of the enclosing `activate` block, or None outside one."""
-    return getattr(_active, "value", None)
-
-
-def sharding(axes):
-    """The NamedSharding of logical `axes` on the mesh of the enclosing `activate` block, or None outside one
-    (for a kernel that runs per shard, e.g. tokamax's attention)."""
-    active = getattr(_active, "value", None)
-    return None if active is None else named_sharding(active[0], axes, active[1])
-
-
-def constrain(x, axes):
-    """Sharding constraint by logical axes; a no-op outside `activate`."""
-    active = getattr(_active, "value", None)
-    if active is None:
-        return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, axes, rules))

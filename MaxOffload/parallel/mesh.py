@@ -14,7 +14,7 @@ from MaxOffload.errors import ConfigError
 from MaxOffload.parallel.logical import MESH_AXES
 
 
-def _resolve(kind, sizes, total):
+def _sizes(kind, sizes, total):
     """Fills a single -1 so that the product is `total`; ConfigError if impossible."""
     sizes = dict(sizes)
     described = " ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
@@ -59,11 +59,11 @@ def count_slices(devices):
 def shape(mesh_cfg, devices):
     """({axis: ici size}, {axis: dcn size}) with -1 resolved for these devices."""
     dcn = dict(mesh_cfg.dcn)
-    dcn = _resolve("dcn", dcn, count_slices(devices) if -1 in dcn.values() else math.prod(dcn.values()))
+    dcn = _sizes("dcn", dcn, count_slices(devices) if -1 in dcn.values() else math.prod(dcn.values()))
     num_slices = math.prod(dcn.values())
     if len(devices) % num_slices:
         raise ConfigError(f"mesh.dcn product {num_slices} does not divide the {len(devices)} devices")
-    return _resolve("ici", mesh_cfg.ici, len(devices) // num_slices), dcn
+    return _sizes("ici", mesh_cfg.ici, len(devices) // num_slices), dcn
 
 
 def make(mesh_cfg=None, devices=None):

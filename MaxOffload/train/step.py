@@ -10,34 +10,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models, xla
 from MaxOffload.models import kernels
-from MaxOffload.models.stack import to_device
+from MaxOffload.models.stack import masked_cross_entropy, to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib
-from MaxOffload.parallel.expert import ExpertLayout
-from MaxOffload.train import optimizer
+from MaxOffload.parallel.layout import ParallelLayout
 
 BATCH_AXES = ("activation_batch", "activation_length")
 HOST, DEVICE = "pinned_host", "device"
-
-
-def masked_cross_entropy(logits, targets, mask):
-    """(sum of next-token cross-entropy over positions where mask=1, number of such positions)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.sum(losses * mask), jnp.sum(mask)
-
-
-def mtp_cross_entropy(mtp_logits, targets, mask):
-    """Multi-token prediction's loss: the mean over depths k = 1..D of depth k's mean cross-entropy, where its
-    logits at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions have no
-    such target and are masked."""
-    length = targets.shape[1]
-    losses = []
-    for k, logits in enumerate(mtp_logits, start=1):
-        within = jnp.arange(length) < length - k
-        total, count = masked_cross_entropy(logits, jnp.roll(targets, -k, axis=1), jnp.roll(mask, -k, axis=1) * within)
-        losses.append(total / jnp.maximum(count, 1.0))
-    return sum(losses) / len(losses)
 
 
 def check_divisible(abstract_params, shardings, mesh):
@@ -53,25 +33,53 @@ def check_divisible(abstract_params, shardings, mesh):
                                   "or mesh.rules")
 
 
+def _outputs(model, inputs):
+    out = model(inputs)
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def skip_nonfinite(step, finite):
+    """train.on_nonfinite=skip: (whether to apply the update, the new step) -- a bad step is dropped, counted."""
+    return finite, step + 1
+
+
+def halt_on_nonfinite(step, finite):
+    """train.on_nonfinite=stop. The host learns of a bad step only after it has queued the next one, so the bad
+    step halts the state on the device: its step becomes -(last good step) - 1 and every later step keeps it as it
+    is, so the state the host stops with is the last good one (TrainSetup.last_good)."""
+    halted = step < 0
+    finite = finite & ~halted
+    return finite, jnp.where(finite, step + 1, jnp.where(halted, step, -step - 1))
+
+
+ON_NONFINITE = {"skip": skip_nonfinite, "stop": halt_on_nonfinite}
+
+
 class TrainSetup:
-    """What a run needs to create, shard and step its state; built once from the config.
+    """What a run needs to create, shard and step its state; built once (MaxOffload/from_config.train_setup makes
+    one from a config).
 
     The state is a plain pytree {'step', 'params', 'opt_state'} so that checkpointing and
     sharding see ordinary dicts; `graphdef` turns params back into the NNX model.
     """
 
-    def __init__(self, cfg, plan, devices=None):
-        """`plan`: the OffloadPlan (MaxOffload/resolve.py). Raises ConfigError when the mesh does not fit the
-        devices or the model's dimensions."""
-        mesh = mesh_lib.make(cfg.mesh, devices)
-        rules = {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()}
-        self.cfg, self.plan, self.devices, self.mesh, self.rules = cfg, plan, devices, mesh, rules
-        self.experts = ExpertLayout.of(mesh, rules)  # the MoE layers' exchange: from the mesh, once
+    def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
+                 micro_batches=1, on_nonfinite=skip_nonfinite):
+        """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
+        plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
+        tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
+        (gradient accumulation; a step's batch is then [micro_batches, rows, seq_len]); on_nonfinite:
+        skip_nonfinite or halt_on_nonfinite. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
+        self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
+                          schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
+                          micro_batches=micro_batches, on_nonfinite=on_nonfinite)
+        self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
+        self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
+        self.micro_batches = micro_batches
+        self.layout = ParallelLayout.of(mesh, rules, exchange)  # handed to the model, once
         self.compiler_options = xla.compiler_options(plan.xla_preset)  # every compile of the step gets the preset
-        self.tx = optimizer.build(cfg.train)
-        self.schedule = optimizer.schedule(cfg.train)
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
-        self.model_config = kernels.resolved(models.model_config(cfg), kernels.platform(mesh.devices.flat[0]))
+        self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
         abstract_model = nnx.eval_shape(self._model)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
@@ -92,18 +100,23 @@ class TrainSetup:
                                                transform_non_params=lambda _: replicated),
             "model_state": jax.tree.map(lambda _: replicated, self.abstract_state["model_state"]),
         }
+        self.param_shardings = param_shardings  # in HBM: where gradients are accumulated
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
+        # a step's batch: one batch, or its micro-batches stacked in front (not sharded)
+        self.step_batch_sharding = self.batch_sharding if micro_batches == 1 else \
+            NamedSharding(mesh, PartitionSpec(None, *self.batch_sharding.spec))
         context = logical.ways(mesh, self.batch_sharding.spec[1])
-        if cfg.train.seq_len % context:
-            raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by the {context}-way sharding of "
+        if seq_len % context:
+            raise ConfigError(f"train.seq_len={seq_len} is not divisible by the {context}-way sharding of "
                               f"activation_length ({mesh_lib.describe(mesh)})")
 
     def with_plan(self, plan):
-        """The same run (config, devices) under another OffloadPlan: a planner's or a report's variant."""
-        return TrainSetup(self.cfg, plan, self.devices)
+        """The same run (model, mesh, optimizer, batch) under another OffloadPlan: a planner's or a report's
+        variant."""
+        return TrainSetup(plan=plan, **self._args)
 
     def _model(self):
-        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.cfg.run.seed), self.experts)
+        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.seed), self.layout)
 
     def _init(self):
         weights = models.weights(self._model())
@@ -112,31 +125,59 @@ class TrainSetup:
 
     def init_state(self):
         """Freshly initialised state, created directly in its sharding (never whole on one device)."""
-        with logical.activate(self.mesh, self.rules):
-            return jax.jit(self._init, out_shardings=self.state_shardings)()
+        return jax.jit(self._init, out_shardings=self.state_shardings)()
 
     def forward(self, params, model_state, inputs):
-        """(logits, aux). A model returns logits, or (logits, aux) with optional aux entries:
-        "aux_loss" (added to the objective), "metrics" ({name: scalar}, logged) and
-        "model_state" (the new values of its non-Param variables, applied after the step)."""
-        out = nnx.merge(self.graphdef, params, model_state)(inputs)
-        return out if isinstance(out, tuple) else (out, {})
+        """(logits, aux). A model returns logits, or (logits, aux) with optional aux entries: "aux_loss" (added to
+        the objective), "metrics" ({name: scalar}, logged), "model_state" (the new values of its non-Param
+        variables, applied after the step) and what its family's `target_losses` consumes."""
+        return _outputs(nnx.merge(self.graphdef, params, model_state), inputs)
 
-    def loss(self, params, model_state, batch):
-        """(objective, aux): mean next-token cross-entropy (+ the model's aux_loss, + mtp_loss_weight x the
-        multi-token-prediction loss, which aux["metrics"]["mtp_loss"] then reports)."""
-        logits, aux = self.forward(params, model_state, batch["inputs"])
-        total, count = masked_cross_entropy(logits, batch["targets"], batch["mask"])
-        objective = total / jnp.maximum(count, 1.0) + aux.get("aux_loss", 0.0)
-        if "mtp_logits" in aux:
-            aux = dict(aux)
-            mtp = mtp_cross_entropy(aux.pop("mtp_logits"), batch["targets"], batch["mask"])
-            objective = objective + self.model_config.mtp_loss_weight * mtp
-            aux["metrics"] = {**aux.get("metrics", {}), "mtp_loss": mtp}
-        return objective, aux
+    def loss(self, params, model_state, batch, count=None, micro_batches=1):
+        """(objective, aux): mean next-token cross-entropy + the model's aux_loss + its family's losses of the
+        targets (models/stack.DecoderModel.target_losses, e.g. DeepSeek-V3's weighted multi-token prediction).
+        One micro-batch of a step: `count` is the whole step's number of target positions, and the other terms
+        are divided by `micro_batches`, so that the micro-batches' objectives sum to the step's."""
+        model = nnx.merge(self.graphdef, params, model_state)
+        logits, aux = _outputs(model, batch["inputs"])
+        total, own = masked_cross_entropy(logits, batch["targets"], batch["mask"])
+        extra, aux = model.target_losses(aux, batch["targets"], batch["mask"])
+        count = jnp.maximum(own, 1.0) if count is None else count
+        return total / count + aux.get("aux_loss", 0.0) / micro_batches + extra / micro_batches, aux
+
+    def gradients(self, params, model_state, batch):
+        """(objective, aux, gradients) of a step's batch: one batch, or (micro_batches > 1) a scan over its
+        micro-batches [k, rows, seq_len] accumulating float32 gradients in HBM with the parameters' sharding. Over
+        micro-batches the metrics are averaged, the model's statistics summed and its new state computed once
+        from them (e.g. the router biases from the whole step's expert loads), as one batch of k x rows would."""
+        if self.micro_batches == 1:
+            (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, model_state, batch)
+            return loss, aux, grads
+        k = self.micro_batches
+        count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+        grad_fn = jax.value_and_grad(lambda p, b: self.loss(p, model_state, b, count, k), has_aux=True)
+
+        def micro(carry, micro_batch):
+            (loss, aux), grads = grad_fn(params, micro_batch)
+            loss, metrics, statistics, summed = jax.tree.map(
+                jnp.add, carry, (loss, f32(aux.get("metrics", {})), aux.get("statistics", []), f32(grads)))
+            return (loss, metrics, statistics, jax.lax.with_sharding_constraint(summed, self.param_shardings)), None
+
+        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))
+        (_, aux_shape), grad_shape = shapes
+        zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)  # noqa: E731
+        start = (jnp.zeros((), jnp.float32), zeros(aux_shape.get("metrics", {})),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape.get("statistics", [])),
+                 zeros(grad_shape))
+        (loss, metrics, statistics, grads), _ = jax.lax.scan(micro, start, batch)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        model = nnx.merge(self.graphdef, params, model_state)
+        aux = {"metrics": jax.tree.map(lambda m: m / k, metrics), "model_state": model.next_model_state(statistics)}
+        return loss, aux, grads
 
     def train_step(self, state, batch):
-        (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state["params"], state["model_state"], batch)
+        loss, aux, grads = self.gradients(state["params"], state["model_state"], batch)
         # Host-resident state visits HBM for the elementwise update only; the out_shardings
         # send the results back to pinned host memory.
         params = to_device(state["params"], self.plan.params_on_host)
@@ -145,15 +186,7 @@ class TrainSetup:
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         grad_norm = optax.tree.norm(grads)
         # A non-finite loss or gradient never reaches the state: keep the old values.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        step = state["step"] + 1
-        if self.cfg.train.on_nonfinite == "stop":
-            # The host learns of a bad step only after it has queued the next one. So the bad step halts the
-            # state on the device: its step becomes -(last good step) - 1 and every later step keeps it as it
-            # is, so the state the host stops with is the last good one (see halted_at).
-            halted = state["step"] < 0
-            finite = finite & ~halted
-            step = jnp.where(finite, step, jnp.where(halted, state["step"], -state["step"] - 1))
+        finite, step = self.on_nonfinite(state["step"], jnp.isfinite(loss) & jnp.isfinite(grad_norm))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = {"step": step,
                      "params": keep(optax.apply_updates(params, updates), params),
@@ -178,14 +211,18 @@ class TrainSetup:
         logits, _ = self.forward(params, model_state, batch["inputs"])
         return masked_cross_entropy(logits, batch["targets"], batch["mask"])
 
-    def abstract_batch(self):
-        """Shapes, dtypes and shardings of one global batch (see MaxOffload.data)."""
-        shape = (self.cfg.train.per_device_batch_size * self.mesh.size, self.cfg.train.seq_len)
+    def abstract_batch(self, step=True):
+        """Shapes, dtypes and shardings of one global batch (see MaxOffload.data): a step's (its micro-batches
+        stacked in front when there are several), or (step=False) one batch, as evaluation takes."""
+        shape = (self.per_device_batch * self.mesh.size, self.seq_len)
+        shape, sharding = ((self.micro_batches, *shape), self.step_batch_sharding) \
+            if step and self.micro_batches > 1 else (shape, self.batch_sharding)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
-        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in dtypes.items()}
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, dtype in dtypes.items()}
 
-    def batch_shardings(self):
-        return {"inputs": self.batch_sharding, "targets": self.batch_sharding, "mask": self.batch_sharding}
+    def batch_shardings(self, step=True):
+        sharding = self.step_batch_sharding if step else self.batch_sharding
+        return {"inputs": sharding, "targets": sharding, "mask": sharding}
 
     def jitted_train_step(self):
         """The training step under jit with explicit shardings; the state is donated."""
@@ -196,22 +233,36 @@ class TrainSetup:
         """Lowers the real training step for abstract inputs; `lower(jitted, *args)` may replace
         `jitted.lower(*args)` (e.g. jax.export for another platform)."""
         jitted, args = self.jitted_train_step(), (self.abstract_state, self.abstract_batch())
-        with logical.activate(self.mesh, self.rules), kernels.lowering(self.mesh.devices.flat[0]):
+        with kernels.lowering(self.mesh.devices.flat[0]):
             return lower(jitted, *args) if lower else jitted.lower(*args)
 
+    def compile(self, jitted, *args):
+        """A jitted function of this run's arrays (or their shapes), compiled as the step is: lowered for the run's
+        devices, with the plan's XLA preset."""
+        with kernels.lowering(self.mesh.devices.flat[0]):
+            return jitted.lower(*args).compile(compiler_options=self.compiler_options)
+
     def compile_train_step(self):
-        return self.lower_train_step().compile(compiler_options=self.compiler_options)
+        return self.compile(self.jitted_train_step(), self.abstract_state, self.abstract_batch())
 
     def compile_eval_step(self):
         jitted = jax.jit(self.eval_step, in_shardings=(self.state_shardings["params"],
-                                                       self.state_shardings["model_state"], self.batch_shardings()))
-        with logical.activate(self.mesh, self.rules), kernels.lowering(self.mesh.devices.flat[0]):
-            return jitted.lower(self.abstract_state["params"], self.abstract_state["model_state"],
-                                self.abstract_batch()).compile(compiler_options=self.compiler_options)
+                                                       self.state_shardings["model_state"],
+                                                       self.batch_shardings(step=False)))
+        return self.compile(jitted, self.abstract_state["params"], self.abstract_state["model_state"],
+                            self.abstract_batch(step=False))
 
     def put_batch(self, batch):
         """This process's rows of a global batch -> global arrays sharded over the batch axes."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+    def put_step_batch(self, batches):
+        """This process's rows of a step's micro-batches (a list of `micro_batches` batches) -> the step's global
+        arrays: the batch itself for one, else the micro-batches stacked in front."""
+        if self.micro_batches == 1:
+            return self.put_batch(batches[0])
+        return {k: jax.make_array_from_process_local_data(self.step_batch_sharding, np.stack([b[k] for b in batches]))
+                for k in batches[0]}
 
     def state_bytes_per_device(self, memory_kind=None):
         """Bytes of params + optimizer state per device under the state shardings (in one memory kind)."""

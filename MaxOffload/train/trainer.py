@@ -4,6 +4,7 @@ summary out; resume, preemption and non-finite steps handled.
 Exit codes (train.py): 0 done, 1 stopped on a non-finite step or a parity failure, 2 bad input,
 PREEMPTED (42) saved after SIGTERM/SIGUSR1 — the Slurm launcher requeues the job.
 """
+import contextlib
 import os
 import signal
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import jax
 
 from MaxOffload import data as data_lib
-from MaxOffload import hardware
+from MaxOffload import from_config, hardware
 from MaxOffload.models import kernels
 from MaxOffload.config.loader import describe
 from MaxOffload.errors import ConfigError
@@ -27,16 +28,16 @@ from MaxOffload.reports import write_json
 from MaxOffload.train import rundir
 from MaxOffload.parallel.mesh import describe as mesh_describe
 from MaxOffload.profile.window import Window
-from MaxOffload.train.step import HOST, TrainSetup
+from MaxOffload.train.loop import Loop
+from MaxOffload.train.step import HOST
 
 
 PREEMPTED = 42
-_LEAD = [True]  # whether this process reports (process 0 of a multi-process job)
 
 
-def _say(text):
-    if _LEAD[0]:
-        print(text, flush=True)
+def speaker(lead):
+    """say(text): prints (flushed) on the process that reports, process 0 of a multi-process job; else nothing."""
+    return (lambda text: print(text, flush=True)) if lead else (lambda text: None)
 
 
 def _human(n, unit="", suffixes=("", "K", "M", "G", "T", "P"), digits=3):
@@ -58,10 +59,10 @@ def peak_flops_per_device(cfg):
     return accelerator.bf16_peak_flops if accelerator else None
 
 
-def lock_output_dir(cfg, process_count):
+def lock_output_dir(cfg, process_count, lead):
     """The run directory's lock (train/rundir.py), taken by process 0; every process fails alike without it."""
     lock, error = None, None
-    if _LEAD[0]:
+    if lead:
         try:
             lock = rundir.Lock(cfg.run.output_dir)
         except ConfigError as e:
@@ -77,12 +78,12 @@ def lock_output_dir(cfg, process_count):
     return lock
 
 
-def verify_parity(setup):
+def verify_parity(setup, batch, say):
     from MaxOffload.offload import parity
 
-    _say("offload.verify_parity: comparing this policy with full remat on one batch ...")
-    ref_loss, tolerance, rows = parity.compare(setup)
-    _say(parity.format_rows(ref_loss, tolerance, rows))
+    say("offload.verify_parity: comparing this policy with full remat on one batch ...")
+    ref_loss, tolerance, rows = parity.compare(setup, batch)
+    say(parity.format_rows(ref_loss, tolerance, rows))
     if not all(row[4] for row in rows):
         raise parity.ParityError("the configured remat/offload policy changes the loss or gradients beyond tolerance; "
                           "not training. Try another XLA version or policy, and report it.")
@@ -99,31 +100,34 @@ class Preempted(Exception):
 
 
 def run(cfg, plan, devices=None):
-    """plan: the OffloadPlan (MaxOffload/resolve.py); devices: the run's devices (default: this process's); a
+    """plan: the OffloadPlan (MaxOffload/from_config.py); devices: the run's devices (default: this process's); a
     dry run may pass compile-only GPUs."""
     process_index, process_count = distributed.initialize(cfg)
-    _LEAD[0] = process_index == 0
-    _say("MaxOffload config:\n" + describe(cfg))
+    lead = process_index == 0
+    say = speaker(lead)
+    say("MaxOffload config:\n" + describe(cfg))
     if process_count > 1:
-        _say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
-    if _LEAD[0]:
+        say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
+    if lead:
         rundir.make(cfg.run.output_dir)
-    setup = TrainSetup(cfg, plan, devices or jax.devices())
-    summary = describe_setup(cfg, setup)
+    setup = from_config.train_setup(cfg, devices or jax.devices(), plan)
+    summary = describe_setup(cfg, setup, say)
     if cfg.run.dry_run:  # its own file only: a training run's outputs in the same directory stay as they are
         path = os.path.join(cfg.run.output_dir, rundir.DRY_RUN)
-        if _LEAD[0]:
+        if lead:
             rundir.write_dry_run(cfg.run.output_dir, cfg.to_dict(), summary)
-        _say(f"dry run: nothing allocated or run; wrote {path}")
+        say(f"dry run: nothing allocated or run; wrote {path}")
         return 0
-    lock = lock_output_dir(cfg, process_count)
+    lock = lock_output_dir(cfg, process_count, lead)
     try:
         miscompile = xla_bugs.affects(plan, platform_of(setup))
         if miscompile:
-            _say(f"{miscompile}: turning the parity gate (offload.verify_parity) on")
+            say(f"{miscompile}: turning the parity gate (offload.verify_parity) on")
         if plan.verify_parity or miscompile:
-            verify_parity(setup)
-        return Training(cfg, setup, summary, process_index, process_count).run()
+            from MaxOffload.offload.parity import first_batch
+
+            verify_parity(setup, first_batch(cfg), say)
+        return Training(cfg, setup, summary, process_index, process_count, say).run()
     except Preempted:
         return PREEMPTED
     finally:
@@ -131,9 +135,9 @@ def run(cfg, plan, devices=None):
             lock.release()
 
 
-def describe_setup(cfg, setup):
+def describe_setup(cfg, setup, say):
     devices = list(setup.mesh.devices.flat)
-    global_batch = cfg.train.per_device_batch_size * len(devices)
+    global_batch = cfg.train.per_device_batch_size * len(devices) * cfg.train.grad_accum_steps
     summary = {"params_total": setup.params_total(), "params_active": setup.model_config.active_params(),
                "state_bytes_per_device": setup.state_bytes_per_device(),
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
@@ -143,9 +147,10 @@ def describe_setup(cfg, setup):
     if copies:  # what the released checkpoint counts, e.g. DeepSeek-V3's 685B
         summary["params_as_released"] = summary["params_total"] + copies
     released = f" ({_count(summary['params_as_released'])} as released)" if copies else ""
-    active = "" if summary["params_active"] >= summary["params_total"] else \
+    # a sparse model's share (MoE: routed experts); a dense one's differs only by its norms, not worth a word
+    active = "" if summary["params_active"] >= 0.99 * summary["params_total"] else \
         f", {_count(summary['params_active'])} active per token"
-    _say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters{released}{active}; params + optimizer state "
+    say(f"model {cfg.model.family}: {_count(summary['params_total'])} parameters{released}{active}; params + optimizer state "
          f"{_human(summary['state_bytes_per_device'], 'B')} per device "
          f"({_human(summary['state_host_bytes_per_device'], 'B')} of it in pinned host memory) on "
          f"{len(devices)} x {devices[0].device_kind} (mesh {mesh_describe(setup.mesh)}); "
@@ -186,15 +191,14 @@ def describe_compiled_memory(memory):
 
 
 class Training:
-    def __init__(self, cfg, setup, summary, process_index, process_count):
-        self.cfg, self.setup, self.summary = cfg, setup, summary
-        self.process_count = process_count
+    """One training run on a TrainSetup: the state in, the step loop with its hooks, the summary out."""
+
+    def __init__(self, cfg, setup, summary, process_index, process_count, say):
+        self.cfg, self.setup, self.summary, self.say = cfg, setup, summary, say
+        self.lead, self.process_count = process_index == 0, process_count
         self.data = data_lib.build(cfg, process_index, process_count)
-        _say(f"data: {self.data.description}")
-        self.devices = len(jax.devices())
-        self.peak = peak_flops_per_device(cfg)
+        say(f"data: {self.data.description}")
         self.signals = []
-        self.history, self.spikes, self.skipped, self.loss_average = [], 0, 0, None
 
     # -- state -------------------------------------------------------------------------------
     def initial_state(self, checkpointer):
@@ -203,24 +207,35 @@ class Training:
             restored = checkpointer.restore_latest()
             if restored is not None:
                 state, meta = restored
-                _say(f"resumed from {checkpointer.directory}/{meta['step']} (step {meta['step']})")
+                self.say(f"resumed from {checkpointer.directory}/{meta['step']} (step {meta['step']})")
                 return state, int(meta["step"])
         state = self.setup.init_state()
         if self.cfg.checkpoint.load_params_from:
             weights, step = load_params(self.cfg.checkpoint.load_params_from, self.setup)
             state = {**state, **weights}
-            _say(f"parameters loaded from {self.cfg.checkpoint.load_params_from} (step {step})")
+            self.say(f"parameters loaded from {self.cfg.checkpoint.load_params_from} (step {step})")
         return state, 0
 
-    def save(self, checkpointer, step, state):
-        if not self.cfg.checkpoint.enabled or checkpointer.has(step):
-            return
-        checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
-                                        "data": self.data.description})
+    def nothing_to_train(self, start):
+        """A rerun whose checkpoint is at train.steps or past it: one line, and nothing written, saved or
+        garbage-collected (a ConfigError when past it: the request cannot be met)."""
+        steps, out = self.cfg.train.steps, self.cfg.run.output_dir
+        if start > steps:
+            raise ConfigError(f"run.output_dir={out} is at step {start}, past train.steps={steps}: nothing to train, "
+                              f"nothing changed; raise train.steps to go on, or start a new run.output_dir "
+                              f"(checkpoint.load_params_from={out} starts it from these weights)")
+        self.say(f"nothing to train: the checkpoint is already at step {start} of train.steps={steps}; nothing changed")
 
-    # -- signals -----------------------------------------------------------------------------
-    def _on_signal(self, signum, _frame):
-        self.signals.append(signum)
+    @contextlib.contextmanager
+    def catching_signals(self):
+        """SIGTERM/SIGUSR1 are noted (the preemption hook saves and exits) and the old handlers restored after."""
+        previous = {s: signal.signal(s, lambda signum, _: self.signals.append(signum))
+                    for s in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     def stop_requested(self):
         """Whether any process got SIGTERM/SIGUSR1 (all processes must agree to save together)."""
@@ -231,178 +246,212 @@ class Training:
 
         return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
 
-    def nothing_to_train(self, start):
-        """A rerun whose checkpoint is at train.steps or past it: one line, and nothing written, saved or
-        garbage-collected (a ConfigError when past it: the request cannot be met)."""
-        steps, out = self.cfg.train.steps, self.cfg.run.output_dir
-        if start > steps:
-            raise ConfigError(f"run.output_dir={out} is at step {start}, past train.steps={steps}: nothing to train, "
-                              f"nothing changed; raise train.steps to go on, or start a new run.output_dir "
-                              f"(checkpoint.load_params_from={out} starts it from these weights)")
-        _say(f"nothing to train: the checkpoint is already at step {start} of train.steps={steps}; nothing changed")
-
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the run -----------------------------------------------------------------------------
     def run(self):
         cfg, setup = self.cfg, self.setup
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        checkpointer = Checkpointer(cfg, setup)
-
-        def release():  # Orbax's threads and the signal handlers, before any one-line error or early exit
-            checkpointer.close()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-        try:
+        with contextlib.ExitStack() as stack:  # every exit releases Orbax's threads, signals, logs and profiler
+            stack.enter_context(self.catching_signals())
+            checkpointer = Checkpointer(cfg, setup)
+            stack.callback(checkpointer.close)
             state, start = self.initial_state(checkpointer)
-            finished = start >= cfg.train.steps
-            if finished:
+            if start >= cfg.train.steps:
                 self.nothing_to_train(start)
-        except BaseException:  # e.g. a corrupted checkpoint
-            release()
-            raise
-        if finished:
-            release()
-            return 0
-        if _LEAD[0]:  # the lock is held and the starting point known: the config this run trains with
-            rundir.write_config(cfg.run.output_dir, cfg.to_dict(), _say)
-        _say("compiling the training step ...")
+                return 0
+            if self.lead:  # the lock is held and the starting point known: the config this run trains with
+                rundir.write_config(cfg.run.output_dir, cfg.to_dict(), self.say)
+            train_step, evaluate = self.compile(start)
+            logger = MetricsLogger(cfg.run.output_dir, cfg.train.steps, cfg.run.log_every, enabled=self.lead,
+                                   resume_from=start)
+            stack.callback(logger.close)
+            window = Window(cfg.profile.mode, cfg.profile.start_step, cfg.profile.num_steps,
+                            os.path.join(cfg.run.output_dir, "profile"), self.say)
+            stack.callback(window.stop)
+            k = setup.micro_batches  # a step's micro-batches: a pure function of (seed, step), as one batch is
+            loop = Loop(train_step, lambda index: setup.put_step_batch([self.data.train_batch(index * k + i)
+                                                                        for i in range(k)]))
+            self.hooks = Hooks(self, loop, checkpointer, evaluate, logger, window)
+            if window.starts_at(start + 1):
+                window.start()
+            try:
+                state = loop.run(state, start, cfg.train.steps)
+            except NonFiniteError as e:
+                raise self.hooks.halted(e, loop.state, start) from None
+            self.hooks.save(cfg.train.steps, state)
+            eval_loss = evaluate(state, cfg.train.steps)
+        return self.finish(eval_loss, start, logger.started)
+
+    def compile(self, start):
+        """(the compiled train step, evaluate(state, step) -> mean eval loss, logged)."""
+        cfg, setup = self.cfg, self.setup
+        self.say("compiling the training step ...")
         started = time.perf_counter()
-        train_step, self.eval_step = setup.compile_train_step(), setup.compile_eval_step()
+        train_step, eval_step = setup.compile_train_step(), setup.compile_eval_step()
         self.summary["compile_time_s"] = time.perf_counter() - started
         self.summary["compiled_memory"] = compiled_memory(train_step)
-        _say(describe_compiled_memory(self.summary["compiled_memory"]))
-        self.window = Window(cfg.profile.mode, cfg.profile.start_step, cfg.profile.num_steps,
-                             os.path.join(cfg.run.output_dir, "profile"), _say)
-        _say(f"compiled in {self.summary['compile_time_s']:.1f} s; training steps {start + 1}-{cfg.train.steps} of "
-             f"{self.summary['global_batch']} x {cfg.train.seq_len} tokens")
-        self.eval_batches = [setup.put_batch(b) for b in self.data.eval_batches(cfg.train.eval_batches)]
-        self.logger = MetricsLogger(cfg.run.output_dir, cfg.train.steps, cfg.run.log_every, enabled=_LEAD[0],
-                                    resume_from=start)
-        pending, self.last_done = None, time.perf_counter()
-        try:
-            for step in range(start, cfg.train.steps):
-                if self.window.starts_at(step + 1):
-                    pending = self.report(pending)  # the device is idle: the trace starts with this step
-                    self.window.start()
-                with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
-                    state, metrics = train_step(state, setup.put_batch(self.data.train_batch(step)))
-                pending = self.report(pending)  # the previous step, while the device works on this one
-                pending, done = (step + 1, metrics), step + 1
-                if self.window.ends_at(done):
-                    pending = self.report(pending)  # waits for the last profiled step: the trace holds it all
-                    self.end_profile()
-                due_eval = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps
-                due_save = cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0
-                stop = self.stop_requested()
-                if due_eval or due_save or stop:
-                    pending = self.report(pending)
-                    if due_eval:
-                        self.evaluate(state, done)
-                    if due_save or stop:
-                        self.save(checkpointer, done, state)
-                    if stop:
-                        checkpointer.wait()
-                        saved = f"saved step {done}" if cfg.checkpoint.enabled else \
-                            "nothing saved (checkpoint.enabled=false)"
-                        _say(f"preempted by signal {self.signals[0] if self.signals else '(on another process)'}: "
-                             f"{saved}; exiting with {PREEMPTED} so the launcher requeues the job")
-                        raise Preempted()
-            pending = self.report(pending)
-            self.save(checkpointer, cfg.train.steps, state)
-            eval_loss = self.evaluate(state, cfg.train.steps)
-        except NonFiniteError as e:
-            # the bad update was never applied and halted the state: the state in hand is the last good one
-            good, state = setup.last_good(state)
-            if good > start:
-                self.save(checkpointer, good, state)
-                checkpointer.wait()
-                raise NonFiniteError(f"{e}; stopped after saving the last good state, step {good} (set "
-                                     "train.on_nonfinite=skip to go on)") from None
-            raise NonFiniteError(f"{e}; stopped with nothing to save: no step after {start} was good (set "
-                                 "train.on_nonfinite=skip to go on)") from None
-        finally:
-            self.window.stop()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            checkpointer.close()
-            self.logger.close()
-        return self.finish(eval_loss, start)
+        self.say(describe_compiled_memory(self.summary["compiled_memory"]))
+        self.say(f"compiled in {self.summary['compile_time_s']:.1f} s; training steps {start + 1}-{cfg.train.steps} "
+                 f"of {self.summary['global_batch']} x {cfg.train.seq_len} tokens")
+        batches = [setup.put_batch(b) for b in self.data.eval_batches(cfg.train.eval_batches)]
 
-    def report(self, pending):
-        """Logs a finished step (waiting for it); returns None (nothing pending)."""
-        if pending is None:
-            return None
-        step, metrics = pending
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
-        seconds = time.perf_counter() - self.last_done
+        def evaluate(state, step):
+            total = count = 0.0
+            for batch in batches:
+                batch_total, batch_count = eval_step(state["params"], state["model_state"], batch)
+                total, count = total + float(batch_total), count + float(batch_count)
+            loss = total / max(count, 1.0)
+            self.hooks.logger.log_eval(step, {"loss": loss})
+            self.hooks.clock.restart()  # evaluation time is not step time
+            return loss
+
+        return train_step, evaluate
+
+    def finish(self, eval_loss, start, started):
+        cfg, summary, history = self.cfg, self.summary, self.hooks.clock.history
+        steady = history[1:] or history
+        mean = lambda key: sum(h[key] for h in steady) / len(steady)  # noqa: E731
+        peak = self.hooks.clock.peak
+        summary.update(steps=cfg.train.steps, resumed_from_step=start, first_loss=history[0]["loss"],
+                       final_loss=history[-1]["loss"], final_eval_loss=eval_loss,
+                       train_time_s=time.perf_counter() - started, mean_step_time_s=mean("step_time_s"),
+                       tokens_per_sec_per_device=mean("tokens_per_sec_per_device"),
+                       tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
+                       mfu=mean("mfu") if peak else None, skipped_steps=self.hooks.health.skipped,
+                       loss_spikes=self.hooks.health.spikes, device_peak_bytes=device_peak_bytes())
+        if self.lead:
+            write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
+        mfu = f"{summary['mfu'] * 100:.1f}%" if peak else \
+            "n/a (unknown device peak; set hardware.peak_tflops_per_device)"
+        self.say(f"done: {len(history)} steps in {summary['train_time_s']:.1f} s (+ {summary['compile_time_s']:.1f} s "
+                 f"compile) | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | eval loss "
+                 f"{eval_loss:.3f} | {summary['mean_step_time_s']:.3f} s/step | "
+                 f"{summary['tokens_per_sec_per_device']:,.0f} tok/s/dev | "
+                 f"{summary['tflops_per_sec_per_device']:.3f} TFLOP/s/dev | MFU {mfu}")
+        self.say(f"outputs in {cfg.run.output_dir}: config.json metrics.jsonl summary.json tensorboard/ checkpoints/")
+        return 0
+
+
+class StepClock:
+    """Metrics hook: each step's time, throughput and MFU beside its metrics, logged and kept in `history`."""
+
+    def __init__(self, summary, seq_len, peak, logger):
+        self.summary, self.seq_len, self.peak, self.logger = summary, seq_len, peak, logger
+        self.devices, self.history = len(jax.devices()), []
+        self.restart()
+
+    def restart(self):
+        """The next step's time counts from now (what came between was not a step: evaluation, a trace's analysis)."""
         self.last_done = time.perf_counter()
+
+    def __call__(self, step, values):
+        seconds = time.perf_counter() - self.last_done
+        self.restart()
         flops_per_s = self.summary["model_flops_per_step"] / self.devices / seconds
-        tokens = self.summary["global_batch"] * self.cfg.train.seq_len / self.devices
+        tokens = self.summary["global_batch"] * self.seq_len / self.devices
         values.update(step_time_s=seconds, tokens_per_sec_per_device=tokens / seconds,
                       tflops_per_sec_per_device=flops_per_s / 1e12,
                       mfu=flops_per_s / self.peak if self.peak else None, **device_memory_metrics())
         self.logger.log_step(step, values)
         self.history.append(values)
-        self.check_health(step, values)
-        return None
 
-    def end_profile(self):
-        """Stops the profiler after the window; with xprof, prints the overlap verdict (profile/overlap.json)."""
+
+class Health:
+    """Metrics hook: a non-finite step is skipped (counted) or stops the run (NonFiniteError); a loss far above its
+    recent average is a warned spike."""
+
+    def __init__(self, on_nonfinite, spike_factor, say):
+        self.on_nonfinite, self.spike_factor, self.say = on_nonfinite, spike_factor, say
+        self.skipped, self.spikes, self.seen, self.average = 0, 0, 0, None
+
+    def __call__(self, step, values):
+        self.seen += 1
+        if values["nonfinite"]:
+            self.skipped += 1
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(f"step {step}: non-finite loss or gradients")
+            self.say(f"step {step}: non-finite loss or gradients; update skipped ({self.skipped} so far)")
+            return
+        loss = values["loss"]
+        if self.spike_factor and self.average is not None and self.seen > 10 and loss > self.spike_factor * self.average:
+            self.spikes += 1
+            self.say(f"warning: loss spike at step {step}: {loss:.4f} vs a recent average of {self.average:.4f}")
+        self.average = loss if self.average is None else 0.9 * self.average + 0.1 * loss
+
+
+class Hooks:
+    """The hooks a training run registers on its Loop, each with its period."""
+
+    def __init__(self, training, loop, checkpointer, evaluate, logger, window):
+        cfg, say = training.cfg, training.say
+        self.training, self.loop, self.checkpointer, self.logger, self.window = training, loop, checkpointer, logger, window
+        self.evaluate, self.say, self.cfg = evaluate, say, cfg
+        self.clock = StepClock(training.summary, cfg.train.seq_len, peak_flops_per_device(cfg), logger)
+        self.health = Health(cfg.train.on_nonfinite, cfg.train.loss_spike_factor, say)
+        loop.add_metrics_hook(self.clock)
+        loop.add_metrics_hook(self.health)
+        loop.add_hook(self.end_profile)
+        loop.add_hook(self.evaluation, every=cfg.train.eval_every)
+        loop.add_hook(lambda info: self.flushed_save(info.step, info.state), every=cfg.checkpoint.every_steps)
+        loop.add_hook(self.preemption)
+        loop.add_hook(self.start_profile)
+
+    def save(self, step, state):
+        if self.cfg.checkpoint.enabled and not self.checkpointer.has(step):
+            self.checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
+                                                 "data": self.training.data.description})
+
+    def flushed_save(self, step, state):
+        self.loop.flush()
+        self.save(step, state)
+
+    def evaluation(self, info):
+        if not info.last:  # the last step's evaluation is the run's final one
+            self.loop.flush()
+            self.evaluate(info.state, info.step)
+
+    def preemption(self, info):
+        if not self.training.stop_requested():
+            return
+        self.flushed_save(info.step, info.state)
+        self.checkpointer.wait()
+        saved = f"saved step {info.step}" if self.cfg.checkpoint.enabled else "nothing saved (checkpoint.enabled=false)"
+        signals = self.training.signals
+        self.say(f"preempted by signal {signals[0] if signals else '(on another process)'}: {saved}; exiting with "
+                 f"{PREEMPTED} so the launcher requeues the job")
+        raise Preempted()
+
+    def start_profile(self, info):
+        if self.window.starts_at(info.step + 1):
+            self.loop.flush()  # the device is idle: the trace starts with the next step
+            self.window.start()
+
+    def end_profile(self, info):
+        """Stops the profiler after the window (waiting for its last step); with xprof, prints the overlap verdict
+        (profile/overlap.json)."""
+        if not self.window.ends_at(info.step):
+            return
+        self.loop.flush()
         trace_dir = self.window.stop()
-        if trace_dir and self.cfg.profile.overlap_report and _LEAD[0]:
+        if trace_dir and self.cfg.profile.overlap_report and self.training.lead:
             from MaxOffload.profile import overlap
 
             try:
                 result = overlap.report(trace_dir)
                 result["verdict"] = overlap.verdict(result)
                 write_json(os.path.join(trace_dir, "overlap.json"), result)
-                self.summary["overlap"] = {"verdict": result["verdict"], "per_step": result["mean"]}
-                _say(result["verdict"])
+                self.training.summary["overlap"] = {"verdict": result["verdict"], "per_step": result["mean"]}
+                self.say(result["verdict"])
             except Exception as e:  # an unreadable trace must not end the training run
-                _say(f"overlap report failed ({type(e).__name__}: {e}); the trace is in {trace_dir}")
-        self.last_done = time.perf_counter()  # the analysis is not step time
+                self.say(f"overlap report failed ({type(e).__name__}: {e}); the trace is in {trace_dir}")
+        self.clock.restart()  # the analysis is not step time
 
-    def check_health(self, step, values):
-        if values["nonfinite"]:
-            self.skipped += 1
-            if self.cfg.train.on_nonfinite == "stop":
-                raise NonFiniteError(f"step {step}: non-finite loss or gradients")
-            _say(f"step {step}: non-finite loss or gradients; update skipped ({self.skipped} so far)")
-            return
-        factor, loss = self.cfg.train.loss_spike_factor, values["loss"]
-        if factor and self.loss_average is not None and len(self.history) > 10 and loss > factor * self.loss_average:
-            self.spikes += 1
-            _say(f"warning: loss spike at step {step}: {loss:.4f} vs a recent average of {self.loss_average:.4f}")
-        self.loss_average = loss if self.loss_average is None else 0.9 * self.loss_average + 0.1 * loss
-
-    def evaluate(self, state, step):
-        total = count = 0.0
-        for batch in self.eval_batches:
-            batch_total, batch_count = self.eval_step(state["params"], state["model_state"], batch)
-            total, count = total + float(batch_total), count + float(batch_count)
-        loss = total / max(count, 1.0)
-        self.logger.log_eval(step, {"loss": loss})
-        self.last_done = time.perf_counter()  # evaluation time is not step time
-        return loss
-
-    def finish(self, eval_loss, start):
-        cfg, summary, history = self.cfg, self.summary, self.history
-        steady = history[1:] or history
-        mean = lambda key: sum(h[key] for h in steady) / len(steady)  # noqa: E731
-        summary.update(steps=cfg.train.steps, resumed_from_step=start, first_loss=history[0]["loss"],
-                       final_loss=history[-1]["loss"], final_eval_loss=eval_loss,
-                       train_time_s=time.perf_counter() - self.logger.started, mean_step_time_s=mean("step_time_s"),
-                       tokens_per_sec_per_device=mean("tokens_per_sec_per_device"),
-                       tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
-                       mfu=mean("mfu") if self.peak else None, skipped_steps=self.skipped, loss_spikes=self.spikes,
-                       device_peak_bytes=device_peak_bytes())
-        if _LEAD[0]:
-            write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
-        mfu = f"{summary['mfu'] * 100:.1f}%" if self.peak else \
-            "n/a (unknown device peak; set hardware.peak_tflops_per_device)"
-        _say(f"done: {len(history)} steps in {summary['train_time_s']:.1f} s (+ {summary['compile_time_s']:.1f} s "
-             f"compile) | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | eval loss {eval_loss:.3f} "
-             f"| {summary['mean_step_time_s']:.3f} s/step | {summary['tokens_per_sec_per_device']:,.0f} tok/s/dev | "
-             f"{summary['tflops_per_sec_per_device']:.3f} TFLOP/s/dev | MFU {mfu}")
-        _say(f"outputs in {cfg.run.output_dir}: config.json metrics.jsonl summary.json tensorboard/ checkpoints/")
-        return 0
+    def halted(self, error, state, start):
+        """The NonFiniteError to stop with, after saving the last good state: the bad update was never applied
+        and halted the state, so the state in hand is the last good one."""
+        good, state = self.training.setup.last_good(state)
+        if good > start:
+            self.save(good, state)
+            self.checkpointer.wait()
+            return NonFiniteError(f"{error}; stopped after saving the last good state, step {good} (set "
+                                  "train.on_nonfinite=skip to go on)")
+        return NonFiniteError(f"{error}; stopped with nothing to save: no step after {start} was good (set "
+                              "train.on_nonfinite=skip to go on)")

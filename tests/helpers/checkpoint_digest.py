@@ -6,12 +6,12 @@ import sys
 import jax
 import numpy as np
 
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.train.checkpoint import Checkpointer
 
 cfg = load(sys.argv[1:])
-setup = resolve.train_setup(cfg)
+setup = from_config.train_setup(cfg)
 state, meta = Checkpointer(cfg, setup).restore_latest()
 digest = {}
 for path, leaf in jax.tree_util.tree_flatten_with_path(state["params"])[0]:

@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.data import build as build_data
 
@@ -25,7 +25,7 @@ def run(overrides, steps=2):
     devices = jax.devices()[:1] if single else None
     if single:
         cfg = load(BASE + overrides + [f"train.per_device_batch_size={jax.device_count()}"])
-    setup = resolve.train_setup(cfg, devices)
+    setup = from_config.train_setup(cfg, devices)
     step = setup.compile_train_step()
     state = setup.init_state()
     wi_0 = state["params"]["moe_layers"]["mlp"]["wi_0"]

@@ -5,7 +5,7 @@ import sys
 
 import jax
 
-from MaxOffload import resolve
+from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.data import build as build_data
 
@@ -15,7 +15,7 @@ BASE = ["configs/llama3_1.py:tiny", "train.steps=3", "train.warmup_steps=1", "tr
 
 def losses(overrides, steps=3):
     cfg = load(BASE + overrides)
-    setup = resolve.train_setup(cfg)
+    setup = from_config.train_setup(cfg)
     step = setup.compile_train_step()
     data = build_data(cfg)
     state = setup.init_state()

@@ -1,0 +1,66 @@
+"""The one place a loaded config becomes what a run consumes: the model configuration and the OffloadPlan
+(per layer segment, the decision for every tagged name; where parameters and optimizer state live).
+
+Below this module nothing reads cfg.remat or cfg.offload: the model, TrainSetup and every report take the
+plan. remat.policy=auto is planned by MaxOffload.offload.planner.plan_for, which starts from `template` and
+`pins` here and returns an OffloadPlan too (its override lines are printed, never parsed back).
+"""
+from flax import nnx
+
+from MaxOffload import models
+from MaxOffload.offload import segments
+from MaxOffload.offload.plan import OffloadPlan
+from MaxOffload.offload.policy import AUTO
+
+
+def planned(cfg):
+    """Whether the planner chooses the policy (remat.policy=auto)."""
+    return cfg.remat.policy == AUTO
+
+
+def pins(cfg):
+    """{name: decision} fixed by remat.tensors: what the planner must honour."""
+    return {name: d for name, d in cfg.remat.tensors.items() if d}
+
+
+def template(cfg):
+    """The run's state placement with full remat on every layer: the planner's starting point."""
+    return OffloadPlan(tuple(segments.uniform("full", models.layer_groups(cfg.model))),
+                       params_on_host=bool(cfg.offload.params), optimizer_on_host=bool(cfg.offload.optimizer_state),
+                       verify_parity=bool(cfg.offload.verify_parity), xla_preset=cfg.xla.preset)
+
+
+def static_plan(cfg):
+    """The OffloadPlan cfg spells out (remat.policy, remat.tensors, remat.groups, offload.*)."""
+    if planned(cfg):
+        raise ValueError("remat.policy=auto is planned by MaxOffload.offload.planner.plan_for(cfg)")
+    return template(cfg).with_segments(segments.layer_segments(cfg.remat, models.layer_groups(cfg.model)))
+
+
+def model(cfg, plan=None, rngs=None):
+    """cfg's model with freshly initialised parameters (under jax.eval_shape for shapes only), its kernels chosen
+    for this process's devices."""
+    import jax
+
+    from MaxOffload.models import kernels
+
+    config = kernels.for_platform(models.model_config(cfg.model), kernels.platform(jax.devices()[0]))
+    return models.build(config, plan if plan is not None else static_plan(cfg),
+                        rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed))
+
+
+def train_setup(cfg, devices=None, plan=None):
+    """TrainSetup for cfg on `devices` (default: this process's) under `plan` (default: cfg's own): the mesh,
+    the model configuration, the optimizer and the batch, read here so that TrainSetup never sees the config.
+    Raises ConfigError when the mesh does not fit the devices or the model."""
+    from MaxOffload.parallel import mesh
+    from MaxOffload.train import optimizer, step
+
+    return step.TrainSetup(models.model_config(cfg.model), plan if plan is not None else static_plan(cfg),
+                           mesh.make(cfg.mesh, devices),
+                           {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()},
+                           exchange=cfg.mesh.exchange, tx=optimizer.build(cfg.train),
+                           schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
+                           per_device_batch=cfg.train.per_device_batch_size,
+                           micro_batches=cfg.train.grad_accum_steps, seed=cfg.run.seed,
+                           on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite])

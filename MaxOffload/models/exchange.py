@@ -1,0 +1,190 @@
+"""How routed tokens reach the devices that hold their experts and come back: an exchange runs a MoE layer's
+dispatch (each token choice to a row of its expert's buffer), the experts' grouped matmuls on the rows a device
+holds (models/matmul.grouped) and the combine (each token's gate-weighted sum of its choices' outputs).
+`ParallelLayout.exchange` names one from EXCHANGES; a new kind (all-to-all, say) is one class and one
+`EXCHANGES[name] = ...` (tests/test_moe_parts.py adds one from a test file).
+
+The interface (`Exchange`): dispatch(x, experts, positions) -> (rows, row of every choice, group sizes, dropped);
+matmul_in(rows, w, sizes); matmul_out(h, w, sizes); combine(y_rows, row, gates). The matmuls' outputs are ordinary
+(sharded) arrays between these steps, so remat/offload policies and offload/inspect.py see them.
+
+`all_gather` (AllGatherExchange): the tokens are all-gathered over the `expert` mesh axes, each device runs its own
+experts on the rows routed to them, and a reduce-scatter returns the combined outputs to the tokens' owners
+(inside jax.shard_map). Why not all-to-all: a ragged all-to-all is what a GPU wants but XLA:CPU cannot run it
+(untestable here); an all-to-all on capacity-padded buffers drops tokens or pads to the worst case, while
+DeepSeek-V3 trains dropless. With top-8 of 256 experts on 8 expert ranks a token's choices reach several ranks
+anyway (at most 4 with DeepSeek-V3's 4-of-8 group limit when groups align with ranks, ~5 without it), so the
+all-gather sends each token to 7 remote ranks where an all-to-all would send 3-4.6 copies: within 2x of the traffic,
+no drops, exactly the single-device result. Its cost: the gathered tokens and, dropless, a rows buffer sized for
+the worst case (expert ranks x local tokens x top_k rows, of which ~1/ranks are filled), so the moe_* activations a
+policy saves or offloads are that large too, unless `model.moe_buffer_factor` bounds it: factor x the rows a
+balanced step gives each device, the choices past it dropped and counted (moe/dropped_fraction). FSDP combines
+freely: the weights enter the shard_map gathered over fsdp and their gradients leave reduce-scattered; `moe_mlp`
+over `tensor` splits every expert's hidden units.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from MaxOffload.models import matmul
+from MaxOffload.parallel import logical
+
+
+# --------------------------------------------------------------------------------------------
+# the local steps
+
+
+def capacity_positions(experts, num_experts):
+    """Each choice's place in its expert's queue within its sequence (token order, then choice order)."""
+    b, length, k = experts.shape
+    one_hot = jax.nn.one_hot(experts.reshape(b, length * k), num_experts, dtype=jnp.int32)
+    before = jnp.cumsum(one_hot, axis=1) - one_hot
+    return jnp.sum(before * one_hot, -1).reshape(b, length, k)
+
+
+def dispatch(x, experts, positions, *, first_expert, num_local, capacity, buffer_rows=0):
+    """Rows for the local experts [first_expert, first_expert + num_local).
+
+    x [b, l, emb]; experts, positions [b, l, k]. Returns (rows [R, emb] sorted by expert, row [b*l*k]
+    of every choice (R where the choice is not here: another device's expert, or dropped), group
+    sizes [num_local], dropped [1]: the choices for these experts that found no row). capacity=0: dropless,
+    R = b*l*k (the worst case) or `buffer_rows` when that is smaller (later choices in expert order
+    dropped). capacity>0: `capacity` rows per local expert and sequence, R = num_local * b * capacity;
+    choices past the capacity are dropped.
+    """
+    b, length, k = experts.shape
+    token = jnp.arange(b * length * k) // k
+    local = experts.reshape(-1) - first_expert
+    wanted = (local >= 0) & (local < num_local)
+    if capacity:
+        num_rows = num_local * b * capacity
+        row = (local * b + token // length) * capacity + positions.reshape(-1)
+        here = wanted & (positions.reshape(-1) < capacity)
+        sizes = jnp.full((num_local,), b * capacity, jnp.int32)
+    else:
+        num_rows = min(buffer_rows or b * length * k, b * length * k)
+        key = jnp.where(wanted, local, num_local)  # not here: after every local group
+        row = jnp.argsort(jnp.argsort(key, stable=True))  # rank of each choice in expert order
+        here = wanted & (row < num_rows)
+        ends = jnp.minimum(jnp.cumsum(jnp.bincount(key, length=num_local + 1)[:num_local]), num_rows)
+        sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
+    row = jnp.where(here, row, num_rows)
+    token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row].set(token, mode="drop")
+    filled = jnp.zeros((num_rows,), bool).at[row].set(True, mode="drop")
+    rows = jnp.where(filled[:, None], x.reshape(-1, x.shape[-1])[token_of_row], 0)
+    return rows, row, sizes, jnp.sum(wanted & ~here, keepdims=True).astype(jnp.float32)
+
+
+def combine(y_rows, row, gates):
+    """[b, l, emb] float32: per token, the gate-weighted sum of its choices' expert outputs."""
+    b, length, k = gates.shape
+    picked = jnp.take(y_rows, row, axis=0, mode="fill", fill_value=0).reshape(b, length, k, -1)
+    with jax.named_scope(matmul.COMBINE_SCOPE):
+        return jnp.einsum("blkd,blk->bld", picked.astype(jnp.float32), gates)
+
+
+def _spec(*dims):
+    """PartitionSpec from per-dimension tuples of mesh axes."""
+    return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
+
+
+class Exchange:
+    """The interface (module docstring). `kernel`: the grouped GEMM of dropless mode (models/kernels.grouped_gemm_for);
+    `buffer_factor`: dropless rows per device = this x a balanced step's (0: the worst case); `numerics`: the
+    matmuls' policy (models/matmul.Numerics)."""
+
+    def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
+        self.layout, self.num_experts, self.capacity = layout, num_experts, capacity
+        self.kernel, self.buffer_factor = kernel, buffer_factor
+        self.numerics = numerics or matmul.Numerics()
+
+    def dispatch(self, x, experts, positions):
+        raise NotImplementedError
+
+    def matmul_in(self, rows, w, sizes):
+        raise NotImplementedError
+
+    def matmul_out(self, h, w, sizes):
+        raise NotImplementedError
+
+    def combine(self, y_rows, row, gates):
+        raise NotImplementedError
+
+
+class AllGatherExchange(Exchange):
+    """Tokens all-gathered over the expert axes, each device running its own experts on the rows routed to them, the
+    combined outputs reduce-scattered back (module docstring); without a mesh, everything local."""
+
+    def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
+        super().__init__(layout, num_experts, capacity, kernel, buffer_factor, numerics)
+        self.mesh = layout.mesh
+        if layout.mesh is None:  # every expert local; the specs are not used
+            self.ep = self.mlp = self.rows = ()
+            self.tokens, self.gather, self.num_local = None, False, num_experts
+            return
+        batch, length = layout.token_axes()
+        length = () if capacity else length  # capacity is per whole sequence
+        self.ep, self.mlp = layout.expert, layout.expert_mlp
+        self.gather = bool(self.ep) and set(self.ep) <= set(batch)  # else tokens are replicated over ep
+        if self.ep and not self.gather and set(self.ep) & set(batch + length):
+            raise ValueError(f"experts sharded over {self.ep} must shard the batch over all or none of them")
+        self.tokens = _spec(batch, length, ())
+        self.rows = batch + length + (() if self.gather else self.ep)
+        self.num_local = num_experts // logical.ways(layout.mesh, self.ep)
+
+    def _run(self, fn, in_specs, out_specs, *args, kernel=False):
+        """`kernel`: fn calls the grouped-GEMM kernel, whose Pallas call cannot say how its output varies over
+        the mesh axes: the shard_map does not check that (check_vma=False; the specs say it)."""
+        if self.mesh is None:
+            return fn(*args)
+        check = not (kernel and self.kernel.startswith("tokamax"))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)(*args)
+
+    def dispatch(self, x, experts, positions):
+        def local(x, experts, positions):
+            first = 0
+            if self.ep:
+                first = jax.lax.axis_index(self.ep) * self.num_local
+            if self.gather:
+                x, experts, positions = (jax.lax.all_gather(a, self.ep, tiled=True) for a in (x, experts, positions))
+            balanced = experts.size * self.num_local / self.num_experts  # this device's rows in a balanced step
+            return dispatch(x, experts, positions, first_expert=first, num_local=self.num_local,
+                            capacity=self.capacity, buffer_rows=math.ceil(self.buffer_factor * balanced))
+
+        if positions is None:
+            positions = jnp.zeros_like(experts)
+        rows = _spec(self.rows)
+        return self._run(local, (self.tokens,) * 3, (_spec(self.rows, ()), rows, rows, rows), x, experts, positions)
+
+    def matmul_in(self, rows, w, sizes):
+        """rows [R, emb] x w [E, emb, mlp] -> [R, mlp]."""
+        def local(rows, w, sizes):
+            return matmul.grouped(rows, w, sizes, self.capacity, self.kernel, self.numerics)
+
+        return self._run(local, (_spec(self.rows, ()), _spec(self.ep, (), self.mlp), _spec(self.rows)),
+                         _spec(self.rows, self.mlp), rows, w, sizes, kernel=True)
+
+    def matmul_out(self, h, w, sizes):
+        """h [R, mlp] x w [E, mlp, emb] -> [R, emb], summed over the mlp shards."""
+        def local(h, w, sizes):
+            out = matmul.grouped(h, w, sizes, self.capacity, self.kernel, self.numerics)
+            return jax.lax.psum(out, self.mlp) if self.mlp else out
+
+        return self._run(local, (_spec(self.rows, self.mlp), _spec(self.ep, self.mlp, ()), _spec(self.rows)),
+                         _spec(self.rows, ()), h, w, sizes, kernel=True)
+
+    def combine(self, y_rows, row, gates):
+        def local(y_rows, row, gates):
+            if self.gather:
+                gates = jax.lax.all_gather(gates, self.ep, tiled=True)
+            out = combine(y_rows, row, gates)
+            if self.gather:
+                return jax.lax.psum_scatter(out, self.ep, scatter_dimension=0, tiled=True)
+            return jax.lax.psum(out, self.ep) if self.ep else out
+
+        return self._run(local, (_spec(self.rows, ()), _spec(self.rows), self.tokens), self.tokens, y_rows, row, gates)
+
+
+EXCHANGES = {"all_gather": AllGatherExchange}

@@ -1,0 +1,53 @@
+"""k micro-batches of b rows against one batch of k x b rows, in ONE process (run it with 8 simulated CPU devices
+via XLA_FLAGS for the sharded case): prints JSON {case: {"loss": rel diff, "grads": rel diff, "state": max abs
+diff of the model state after the step}}. argv[1]: JSON {case: [config overrides]}."""
+import json
+import sys
+
+from MaxOffload.platform import prefer_cpu_without_gpu
+
+prefer_cpu_without_gpu()  # before JAX starts: the CUDA plugin is installed, a GPU is not
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from MaxOffload import from_config  # noqa: E402
+from MaxOffload.config import load  # noqa: E402
+
+K, ROWS, SEQ = 4, 2, 16
+
+
+def relative(a, b):
+    diff = jax.tree.map(lambda x, y: x.astype(jnp.float32) - y.astype(jnp.float32), a, b)
+    return float(optax.tree.norm(diff)) / max(float(optax.tree.norm(b)), 1e-30)
+
+
+def compare(overrides):
+    devices = jax.device_count()
+    common = [*overrides, "model.compute_dtype=float32", f"train.seq_len={SEQ}"]
+    micro = from_config.train_setup(load([*common, f"train.per_device_batch_size={ROWS}",
+                                          f"train.grad_accum_steps={K}"]))
+    whole = from_config.train_setup(load([*common, f"train.per_device_batch_size={K * ROWS}"]))
+    state = whole.init_state()
+    rng = np.random.default_rng(0)
+    rows = K * ROWS * devices
+    tokens = rng.integers(0, whole.model_config.vocab_size, (rows, SEQ + 1)).astype(np.int32)
+    big = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((rows, SEQ), np.float32)}
+    parts = [{k: v[i * rows // K:(i + 1) * rows // K] for k, v in big.items()} for i in range(K)]
+    one = jax.jit(whole.gradients)(state["params"], state["model_state"], whole.put_step_batch([big]))
+    many = jax.jit(micro.gradients)(state["params"], state["model_state"], micro.put_step_batch(parts))
+    (loss_1, aux_1, grads_1), (loss_k, aux_k, grads_k) = one, many
+    state_1, state_k = aux_1.get("model_state", {}), aux_k.get("model_state", {})
+    return {"loss": abs(float(loss_k) - float(loss_1)) / abs(float(loss_1)), "grads": relative(grads_k, grads_1),
+            "state": max([float(jnp.max(jnp.abs(a - b))) for a, b in
+                          zip(jax.tree.leaves(state_k), jax.tree.leaves(state_1))], default=0.0),
+            "state_leaves": len(jax.tree.leaves(state_1)),
+            "state_moved": max([float(jnp.max(jnp.abs(a - b))) for a, b in
+                                zip(jax.tree.leaves(state_k), jax.tree.leaves(state["model_state"]))], default=0.0),
+            "metrics": sorted(aux_k.get("metrics", {}))}
+
+
+if __name__ == "__main__":
+    print(json.dumps({case: compare(overrides) for case, overrides in json.loads(sys.argv[1]).items()}))

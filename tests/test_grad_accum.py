@@ -1,0 +1,75 @@
+"""Gradient accumulation (train.grad_accum_steps): k micro-batches of b sequences inside one step are one batch
+of k x b, in loss, gradients and the model's own state (DeepSeek-V3's router biases), on one device and on eight
+with FSDP; a preempted run resumes bit-identically; the compiled step does k x the micro-batch's work."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, process_env, run_cli
+from test_checkpoint import TINY, losses, sigterm_and_resume
+
+CASES = {
+    "llama": ["configs/llama3_1.py:tiny"],
+    # the balance loss, the router-bias update from the whole step's loads, multi-token prediction
+    "deepseek": ["configs/deepseek_v3.py:tiny", "model.mtp_depth=1", "model.seq_balance_loss_weight=0.01"],
+}
+
+
+def check(cases, devices=1, extra=()):
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
+    args = json.dumps({name: [*overrides, *extra] for name, overrides in cases.items()})
+    result = subprocess.run([sys.executable, "tests/helpers/grad_accum_check.py", args], cwd=ROOT, text=True,
+                            capture_output=True, env=process_env(["python"], env), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_one_batch(found):
+    for name, diff in found.items():
+        assert diff["loss"] < 1e-6 and diff["grads"] < 1e-6, (name, diff)
+        assert diff["state"] == 0.0, (name, diff)  # the router biases move by the same signs of the same loads
+    assert found["deepseek"]["state_leaves"] >= 2  # the MoE layers' and the MTP block's biases were compared
+    assert found["deepseek"]["state_moved"] > 0  # ... after the step's update moved them
+    assert "moe/max_load" in found["deepseek"]["metrics"]
+
+
+def test_micro_batches_are_one_batch_on_one_device():
+    assert_one_batch(check(CASES))
+
+
+def test_micro_batches_are_one_batch_under_fsdp_on_eight_devices():
+    assert_one_batch(check(CASES, devices=8, extra=["mesh.ici.fsdp=8"]))
+
+
+@pytest.mark.once  # resume itself runs on both stacks in test_checkpoint.py
+def test_a_preempted_accumulating_run_resumes_bit_identically(tmp_path):
+    args = [*TINY, "train.per_device_batch_size=1", "train.grad_accum_steps=2", "train.steps=16",
+            "checkpoint.every_steps=4"]
+    straight = tmp_path / "straight"
+    result = run_cli(["train.py", *args, f"run.output_dir={straight}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "of 2 x 32 tokens" in result.stdout  # the step's batch counts both micro-batches
+    resumed = tmp_path / "resumed"
+    saved, _ = sigterm_and_resume([*args, f"run.output_dir={resumed}"], resumed, 6)
+    assert 6 <= saved < 16
+    assert losses(resumed) == losses(straight)
+
+
+def test_one_micro_batch_is_a_different_run_than_two(tmp_path):
+    """The test above could pass if accumulation were ignored; the step's loss must see both micro-batches."""
+    found = {}
+    for k in (1, 2):
+        result = run_cli(["train.py", *TINY, "train.per_device_batch_size=1", f"train.grad_accum_steps={k}",
+                          "train.steps=3", "checkpoint.enabled=false", f"run.output_dir={tmp_path / str(k)}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[k] = losses(tmp_path / str(k))
+    assert found[1] != found[2]
+
+
+@pytest.mark.once
+def test_grad_accum_steps_must_be_positive(tmp_path):
+    result = run_cli(["train.py", *TINY, "train.grad_accum_steps=0", f"run.output_dir={tmp_path}"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: train.grad_accum_steps must be > 0, got 0"
