@@ -260,15 +260,8 @@ class Training:
             if self.lead:  # the lock is held and the starting point known: the config this run trains with
                 rundir.write_config(cfg.run.output_dir, cfg.to_dict(), self.say)
             train_step, evaluate = self.compile(start)
-            logger = MetricsLogger(cfg.run.output_dir, cfg.train.steps, cfg.run.log_every, enabled=self.lead,
-                                   resume_from=start)
-            stack.callback(logger.close)
-            window = Window(cfg.profile.mode, cfg.profile.start_step, cfg.profile.num_steps,
-                            os.path.join(cfg.run.output_dir, "profile"), self.say)
-            stack.callback(window.stop)
-            k = setup.micro_batches  # a step's micro-batches: a pure function of (seed, step), as one batch is
-            loop = Loop(train_step, lambda index: setup.put_step_batch([self.data.train_batch(index * k + i)
-                                                                        for i in range(k)]))
+            logger, window = self.outputs(stack, start)
+            loop = Loop(train_step, self.step_batch)
             self.hooks = Hooks(self, loop, checkpointer, evaluate, logger, window)
             if window.starts_at(start + 1):
                 window.start()
@@ -279,6 +272,23 @@ class Training:
             self.hooks.save(cfg.train.steps, state)
             eval_loss = evaluate(state, cfg.train.steps)
         return self.finish(eval_loss, start, logger.started)
+
+    def outputs(self, stack, start):
+        """(the metrics logger, the profiler window), closed with the ExitStack `stack`."""
+        cfg = self.cfg
+        logger = MetricsLogger(cfg.run.output_dir, cfg.train.steps, cfg.run.log_every, enabled=self.lead,
+                               resume_from=start)
+        stack.callback(logger.close)
+        window = Window(cfg.profile.mode, cfg.profile.start_step, cfg.profile.num_steps,
+                        os.path.join(cfg.run.output_dir, "profile"), self.say)
+        stack.callback(window.stop)
+        return logger, window
+
+    def step_batch(self, index):
+        """Step index+1's batch on the devices: its micro-batches, a pure function of (seed, step) as one batch
+        is."""
+        k = self.setup.micro_batches
+        return self.setup.put_step_batch([self.data.train_batch(index * k + i) for i in range(k)])
 
     def compile(self, start):
         """(the compiled train step, evaluate(state, step) -> mean eval loss, logged)."""
