@@ -38,7 +38,8 @@ def get_config(size="671b"):
                     moe_mlpwo="device")
     if size == "671b":
         # Fit on 128 GB200s (python -m MaxOffload.aot ... --topology 2x16x4, with the MTP block and the flash
-        # attention: 123.5 GiB HBM of 165.9 usable, 60.3 GiB host, 1.24x the model FLOPs compiled). Dropless, through tokamax's grouped GEMM on GPUs
+        # attention: 123.5 GiB HBM of 165.9 usable for one micro-batch a step, 60.3 GiB host, 1.24x the model FLOPs
+        # compiled). Dropless, through tokamax's grouped GEMM on GPUs
         # (model.moe_kernel=auto). The all-gather dispatch would size its rows buffer for the worst case (8x a
         # balanced step at EP8: 130.1 GiB HBM, but 329.4 GiB of offloaded expert activations per GPU, more
         # than the host has); a buffer of 1.25x the balanced rows of each device bounds it. Only the choices
@@ -52,6 +53,10 @@ def get_config(size="671b"):
         cfg.mesh.ici.expert = 8
         cfg.mesh.ici.fsdp = -1
         cfg.aot.topology = "2x16x4"  # 128 GB200: two NVL72 racks of 64 GPUs (aot and auto dry runs)
+        # 4,096 sequences of 4,096 tokens a step (16.8M tokens) on 128 GPUs: 32 micro-batches of one sequence per
+        # GPU, accumulated in the step (aot: 144.0 GiB HBM with the float32 gradient accumulator, FITS; compiled
+        # work 1.24x the model FLOPs, as for one micro-batch: benchmarks/results/grad_accum_2026-12-03)
+        cfg.train.grad_accum_steps = 32
         for axis in ("embed", "q_lora", "kv_lora"):
             cfg.mesh.rules[axis] = ["fsdp", "expert"]
     return cfg
