@@ -4,7 +4,8 @@
 Counted, per device and step:
   - `dot` instructions, wherever they are: at the top level, inside fusions (Triton GEMM fusions included),
     calls and async computations; 2 x output elements x the product of the lhs contracting dimensions;
-  - while loops: their body x the trip count XLA proved (`known_trip_count`); a loop without one is counted
+  - while loops: their body x the trip count (hlo.Module.trip_count: proved by XLA, or read off the loop's
+    induction variable and its condition); a loop without one is counted
     once and listed in `unknown_trip_counts`;
   - cuBLAS GEMM custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`), from their dot dimension numbers;
   - tokamax kernels: from the shapes in tokamax's JSON of the op and its arguments (in the op name or
@@ -207,7 +208,7 @@ class Counter:
                 out.kernels[target] = out.kernels.get(target, 0) + times
             return []
         if ins.opcode == "while":
-            trips = ins.trip_count()
+            trips = self.module.trip_count(ins)
             if trips is None:
                 out.unknown_trip_counts.append(ins.op_name or ins.name)
             return self.computation(ins.called("body"), times * (trips or 1), stack, here)

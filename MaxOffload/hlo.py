@@ -92,6 +92,67 @@ class Module:
         body = self.computations.get(computation) or [None]
         return body[-1]
 
+    def trip_count(self, loop):
+        """A while loop's trip count: the one XLA proved (`known_trip_count`), else from its induction variable
+        (backend_config's `known_induction_variable` with its `init` and `step`) and the bound its condition
+        compares it with (`i < N`); XLA's loop pipelining leaves the latter form (one iteration peeled out of
+        the loop, the rest counted here). None when neither is readable."""
+        known = loop.trip_count()
+        if known is not None:
+            return known
+        variable = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}', loop.attributes)
+        if not variable:
+            return None
+        index = variable.group(1)
+        steps = re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"\}' % index, loop.attributes)
+        condition = loop.called("condition")
+        bound = self._bound(condition, self.root(condition), int(index)) if steps and condition else None
+        init, step = (int(g) for g in steps.groups()) if steps else (0, 0)
+        if bound is None or step <= 0:
+            return None
+        return max(0, -(-(bound - init) // step))
+
+    def _bound(self, computation, compare, index, params=None):
+        """N of a condition `tuple[index] < N` rooted at `compare` (through one fusion), or None."""
+        if compare is None:
+            return None
+        if compare.opcode == "fusion":
+            fused = compare.called("calls")
+            return self._bound(fused, self.root(fused), index,
+                               params=[self._find(computation, name) for name in compare.operands])
+        if compare.opcode != "compare" or "direction=LT" not in compare.attributes or len(compare.operands) != 2:
+            return None
+        left, right = (self._resolve(computation, name, params) for name in compare.operands)
+        if left == ("element", index) and right and right[0] == "constant":
+            return right[1]
+        return None
+
+    def _find(self, computation, name):
+        return next((i for i in self.computations.get(computation, ()) if i.name == name), None)
+
+    def _resolve(self, computation, name, params):
+        """("element", i) for get-tuple-element(parameter, index=i), ("constant", n) for an integer constant,
+        following a fusion's parameters to the instructions that feed them; else None."""
+        ins = self._find(computation, name)
+        if ins is None:
+            return None
+        if ins.opcode == "parameter" and params is not None:
+            number = int(ins.operands[0]) if ins.operands and ins.operands[0].isdigit() else None
+            outer = params[number] if number is not None and number < len(params) else None
+            return self._resolve_outer(outer)
+        return self._resolve_outer(ins)
+
+    @staticmethod
+    def _resolve_outer(ins):
+        if ins is None:
+            return None
+        if ins.opcode == "constant" and ins.operands and re.fullmatch(r"-?\d+", ins.operands[0]):
+            return ("constant", int(ins.operands[0]))
+        element = re.search(r"\bindex=(\d+)", ins.attributes)
+        if ins.opcode == "get-tuple-element" and element:
+            return ("element", int(element.group(1)))
+        return None
+
 
 def _string_end(text, i):
     """Index just past the string literal opening at text[i]."""

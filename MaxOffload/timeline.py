@@ -120,7 +120,7 @@ class Simulation:
         if op in FREE or (op == "custom-call" and ins.target().startswith(NOT_KERNELS)):
             return
         if op == "while":
-            trips = ins.trip_count()
+            trips = self.module.trip_count(ins)
             if trips is None:
                 self.unknown_trip_counts.append(ins.op_name or ins.name)
             for i in range(trips or 1):

@@ -278,3 +278,44 @@ def test_the_planner_ranks_an_offload_plan_by_its_timeline_per_host_link():
         ratio[target] = steps["offload"] / steps["remat"]
     assert ratio["h200"] > 1.1, ratio  # copies over PCIe do not hide
     assert ratio["gh200"] < 0.99, ratio  # over NVLink-C2C they do, and the saved recompute wins
+
+
+def test_a_pipelined_loop_without_a_proved_trip_count_is_read_from_its_induction_variable():
+    """XLA's loop pipelining (e.g. gradient accumulation under lhs_pipelined_offload) peels an iteration and drops
+    `known_trip_count`; the loop keeps its induction variable (init 0, step 1) and a condition `i < 2` inside a
+    fusion: 2 trips. Without the variable or with another comparison, the count stays unknown."""
+    from MaxOffload import hlo
+
+    def loop_module(direction="LT", backend='"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":'
+                                           '[{"tuple_index":"0","init":"0","step":"1"},{"tuple_index":"1"}]'):
+        return hlo.parse(f"""HloModule m, is_scheduled=true
+
+%fused_compare (p: s32[]) -> pred[] {{
+  %p = s32[] parameter(0)
+  %c = s32[] constant(2)
+  ROOT %lt = pred[] compare(%p, %c), direction={direction}
+}}
+
+%cond (u: (s32[], f32[4])) -> pred[] {{
+  %u = (s32[], f32[4]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%u), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {{
+  ROOT %t = (s32[], f32[4]{{0}}) parameter(0)
+}}
+
+ENTRY %main (a: (s32[], f32[4])) -> (s32[], f32[4]) {{
+  %a = (s32[], f32[4]{{0}}) parameter(0)
+  ROOT %w = (s32[], f32[4]{{0}}) while(%a), condition=%cond, body=%body, backend_config={{{backend}}}
+}}
+""")
+
+    def trips(m):
+        return m.trip_count(m.root(m.entry))
+
+    assert trips(loop_module()) == 2
+    assert trips(loop_module(direction="GT")) is None
+    assert trips(loop_module(backend='"known_trip_count":{"n":"7"}')) == 7
+    assert trips(loop_module(backend='"dynamic_variables":[]')) is None
