@@ -73,3 +73,19 @@ def test_grad_accum_steps_must_be_positive(tmp_path):
     result = run_cli(["train.py", *TINY, "train.grad_accum_steps=0", f"run.output_dir={tmp_path}"])
     assert result.returncode == 2
     assert result.stderr.strip() == "error: train.grad_accum_steps must be > 0, got 0"
+
+
+@pytest.mark.once
+def test_inspect_reports_offloaded_bytes_per_micro_batch(tmp_path):
+    """Offloaded activations live for one micro-batch's passes: two micro-batches of 8 offload what one batch of 8
+    does, and the report says per micro-batch."""
+    args = ["-m", "MaxOffload.offload.inspect", *TINY, "train.per_device_batch_size=8", "remat.policy=custom",
+            "remat.tensors.mlpwi_0=offload", "--no_cpu_memory"]
+    found = {}
+    for k in (1, 2):
+        result = run_cli([*args, f"train.grad_accum_steps={k}", f"run.output_dir={tmp_path / str(k)}"])
+        assert result.returncode == 0, result.stdout + result.stderr
+        found[k] = [line for line in result.stdout.splitlines() if line.startswith("CUDA lowering")][0]
+    assert "per device per step" in found[1] and "per device per micro-batch" in found[2]
+    assert found[1].split("offloaded in total ")[1].split(" per")[0] == \
+        found[2].split("offloaded in total ")[1].split(" per")[0]

@@ -24,11 +24,13 @@ def _mb(n):
 
 
 def format_report(report):
+    # offloaded activations live for one micro-batch's forward and backward: per step when it is the whole step
+    per = "per device per micro-batch" if report.get("micro_batches", 1) > 1 else "per device per step"
     lines = []
     for label, g in report["groups"].items():
         who = f"remat.groups.{g['remat_group']}" if g["remat_group"] else "remat.policy / remat.tensors"
         lines.append(f"layers {g['layers'][0]}-{g['layers'][1]} ({g['model_group']}; {who}): "
-                     f"offloaded {_mb(g['offload_bytes_per_device'])} per device per step")
+                     f"offloaded {_mb(g['offload_bytes_per_device'])} {per}")
         lines.append(f"  {'tensor':<20} {'requested':<9} {'result':<8} {'shape per layer':<22} {'dtype':<9} "
                      f"size/device/step")
         for name, t in g["tensors"].items():
@@ -38,7 +40,7 @@ def format_report(report):
                      f"recomputed: {', '.join(g['remat']) or '-'} | not needed: {', '.join(g['unused']) or '-'} | "
                      f"missing: {', '.join(g['missing']) or 'none'}")
     lines.append(f"CUDA lowering: {report['cuda_pinned_host_placements']} pinned_host placements; "
-                 f"offloaded in total {_mb(report['offload_bytes_per_device'])} per device per step "
+                 f"offloaded in total {_mb(report['offload_bytes_per_device'])} {per} "
                  f"(split by the sharding rules over mesh {report['mesh']})")
     lines.append(f"parameters + optimizer state per device: {_mb(report['state_device_bytes_per_device'])} in HBM, "
                  f"{_mb(report['state_host_bytes_per_device'])} in pinned host memory "

@@ -179,6 +179,7 @@ def build_report(cfg, setup, cpu_memory=True, lowered_text=None):
                         f"expected {len(expected_placements)} {sorted(expected_placements)}")
     host_args = len(re.findall(r'%arg\d+: tensor<[^>]*> \{mhlo\.memory_kind = "pinned_host"', lowered_text))
     report = {"config": cfg.run.output_dir, "devices": setup.mesh.size, "mesh": mesh_describe(setup.mesh),
+              "micro_batches": setup.micro_batches,
               "groups": groups, "cuda_pinned_host_placements": len(placements),
               "state_host_arrays": host_args, "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
               "state_device_bytes_per_device": setup.state_bytes_per_device(DEVICE),
