@@ -71,9 +71,26 @@ def build_report(cfg, plan, target, topology):
         "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
         "problems": problems, "compile_time_s": compile_time,
         "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
+        "weight_gathers": weight_gathers(module, setup.micro_batches),
         "warnings": [w for w in [xla_bugs.affects(plan, "gpu")] if w] + [f"compiled work: {w}" for w in
                                                                          work["warnings"]],
     }, simulation
+
+
+def weight_gathers(module, micro_batches):
+    """Where the step all-gathers (FSDP weights, mostly): {"micro_batches", "per_step_bytes",
+    "in_micro_batch_loop_bytes": what the gradient-accumulation loop gathers over all its trips, "where":
+    "per micro-batch" when it gathers inside that loop, else "per step"}; the loop is the entry's while loop
+    that runs micro_batches (or, pipelined, micro_batches - 1) times."""
+    total = module.gathered_bytes(module.entry)
+    inside = 0
+    if micro_batches > 1:
+        for ins in module.computations.get(module.entry, ()):
+            trips = module.trip_count(ins) if ins.opcode == "while" else None
+            if trips in (micro_batches, micro_batches - 1):
+                inside += module.gathered_bytes(ins.called("body"), trips)
+    return {"micro_batches": micro_batches, "per_step_bytes": total, "in_micro_batch_loop_bytes": inside,
+            "where": "per micro-batch" if inside else "per step"}
 
 
 def format_report(r):
@@ -97,6 +114,11 @@ def format_report(r):
         lines += [line for line in audit.format_audit(r["compiled_work"]) if not line.startswith("WARNING")]
     if r.get("timeline"):
         lines += timeline.format_report(r["timeline"]) + [f"  (xla.preset={r['xla_preset']})"]
+    gathers = r.get("weight_gathers")
+    if gathers and gathers["micro_batches"] > 1:
+        lines.append(f"all-gathers (FSDP weights): {gathers['per_step_bytes'] / 1e9:,.4g} GB per device per step, "
+                     f"gathered {gathers['where']} ({gathers['micro_batches']} micro-batches; "
+                     f"{gathers['in_micro_batch_loop_bytes'] / 1e9:,.4g} GB of it inside the accumulation loop)")
     if r["problems"]:
         lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))
     lines += [f"WARNING: {w}" for w in r.get("warnings", [])]

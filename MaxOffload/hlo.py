@@ -112,6 +112,21 @@ class Module:
             return None
         return max(0, -(-(bound - init) // step))
 
+    def gathered_bytes(self, computation, times=1):
+        """Bytes all-gathers produce (their results) when `computation` runs `times` times: through while loops
+        (x their trip count, 1 when unknown), calls and conditionals (their dearest branch)."""
+        total = 0
+        for ins in self.computations.get(computation, ()):
+            if ins.opcode in ("all-gather", "all-gather-start"):
+                total += times * max((a.bytes for a in ins.arrays), default=0)  # a start's tuple: input, output
+            elif ins.opcode == "while":
+                total += self.gathered_bytes(ins.called("body"), times * (self.trip_count(ins) or 1))
+            elif ins.opcode == "call":
+                total += self.gathered_bytes(ins.called("to_apply") or ins.called("calls"), times)
+            elif ins.opcode == "conditional":
+                total += max((self.gathered_bytes(b, times) for b in ins.branches()), default=0)
+        return total
+
     def _bound(self, computation, compare, index, params=None):
         """N of a condition `tuple[index] < N` rooted at `compare` (through one fusion), or None."""
         if compare is None:

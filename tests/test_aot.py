@@ -281,3 +281,7 @@ def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_ba
     # iteration's beside the loop's, so here both micro-batches' are live at once; under baseline it is half)
     assert 0 < micro["host_temp_bytes_per_device"] <= whole["host_temp_bytes_per_device"]
     assert micro["compiled_work"]["unknown_trip_counts"] == [] and micro["timeline"]["unknown_trip_counts"] == []
+    # FSDP over the 4 GPUs: the weights are gathered inside the accumulation loop, once per micro-batch
+    gathers = micro["weight_gathers"]
+    assert gathers["where"] == "per micro-batch" and 0 < gathers["in_micro_batch_loop_bytes"] < gathers["per_step_bytes"]
+    assert whole["weight_gathers"]["where"] == "per step" and "gathered per micro-batch (2 micro-batches" in result.stdout
