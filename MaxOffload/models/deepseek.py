@@ -421,7 +421,7 @@ class DeepSeek(DecoderModel):
         stacks' statistics (each [layers of the stack, ...]; the main MoE layers, then the MTP blocks), the router's
         own metrics beside them. max_load = busiest expert's choices / mean choices per expert."""
         c, router = self.config, self.router_kind
-        loads = [s["load"] for _, s, _ in stacks]
+        loads = {"/".join(path): s["load"] for path, s, _ in stacks}
         model_state = self.next_model_state(loads)
         own = [router.metrics(s, self._router_state(model_state, path)) for path, s, _ in stacks]
         joined = lambda key: jnp.concatenate([s[key] for _, s, _ in stacks])  # noqa: E731
@@ -443,23 +443,21 @@ class DeepSeek(DecoderModel):
         return {"aux_loss": c.seq_balance_loss_weight * balance.sum(), "metrics": metrics, "model_state": model_state,
                 "statistics": loads}
 
-    def _router_paths(self):
-        """The paths of the MoE modules of each stack, in the order of the statistics: the main MoE layers, then
-        the MTP blocks when they are MoE blocks."""
-        c = self.config
-        return ([("moe_layers", "mlp")] if c.num_moe_layers else []) + \
-            ([("mtp_layers", "block", "mlp")] if c.mtp_depth and c.mtp_moe else [])
+    @staticmethod
+    def _module_state(model_state, path):
+        return functools.reduce(lambda tree, key: tree.get(key, {}), path, model_state)  # {}: no router state
 
     def _router_state(self, model_state, path):
-        module = functools.reduce(lambda tree, key: tree.get(key, {}), path, model_state)  # {}: no router state
+        module = self._module_state(model_state, path)
         return {name: module[name] for name in self.router_kind.state}
 
     def next_model_state(self, statistics):
         """The model's non-Param variables (TrainSetup's model_state) after a step whose routing statistics (aux
-        "statistics": each MoE stack's expert loads [layers, experts], additive over micro-batches) are given:
-        the router's own update (DeepSeek-V3: the selection biases)."""
+        "statistics": {MoE module path "a/b/c": its stack's expert loads [layers, experts]}, additive over
+        micro-batches) are given: the router's own update (DeepSeek-V3: the selection biases)."""
         model_state = nnx.to_pure_dict(nnx.state(self, nnx.Not(nnx.Param)))
-        for path, load in zip(self._router_paths(), statistics):
-            module = functools.reduce(lambda tree, key: tree.get(key, {}), path, model_state)
-            module.update(self.router_kind.next_state(self._router_state(model_state, path), load))
+        for key, load in statistics.items():
+            path = tuple(key.split("/"))
+            self._module_state(model_state, path).update(
+                self.router_kind.next_state(self._router_state(model_state, path), load))
         return model_state

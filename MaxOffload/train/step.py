@@ -161,14 +161,14 @@ class TrainSetup:
         def micro(carry, micro_batch):
             (loss, aux), grads = grad_fn(params, micro_batch)
             loss, metrics, statistics, summed = jax.tree.map(
-                jnp.add, carry, (loss, f32(aux.get("metrics", {})), aux.get("statistics", []), f32(grads)))
+                jnp.add, carry, (loss, f32(aux.get("metrics", {})), aux.get("statistics", {}), f32(grads)))
             return (loss, metrics, statistics, jax.lax.with_sharding_constraint(summed, self.param_shardings)), None
 
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))
         (_, aux_shape), grad_shape = shapes
         zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)  # noqa: E731
         start = (jnp.zeros((), jnp.float32), zeros(aux_shape.get("metrics", {})),
-                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape.get("statistics", [])),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape.get("statistics", {})),
                  zeros(grad_shape))
         (loss, metrics, statistics, grads), _ = jax.lax.scan(micro, start, batch)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
