@@ -8,6 +8,7 @@ plan. remat.policy=auto is planned by MaxOffload.offload.planner.plan_for, which
 from flax import nnx
 
 from MaxOffload import models
+from MaxOffload.errors import ConfigError
 from MaxOffload.offload import segments
 from MaxOffload.offload.plan import OffloadPlan
 from MaxOffload.offload.policy import AUTO
@@ -49,6 +50,20 @@ def model(cfg, plan=None, rngs=None):
                         rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed))
 
 
+def micro_batches(cfg, device_count):
+    """Micro-batches per optimizer step on `device_count` devices: train.grad_accum_steps, or derived from
+    train.global_batch_size. Raises ConfigError when the global batch is not a whole number of micro-batches."""
+    train = cfg.train
+    if not train.global_batch_size:
+        return train.grad_accum_steps
+    micro = train.per_device_batch_size * device_count
+    if train.global_batch_size % micro:
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                          f"per_device_batch_size {train.per_device_batch_size} x {device_count} devices = {micro} "
+                          f"sequences a micro-batch; give a multiple of {micro} or change per_device_batch_size")
+    return train.global_batch_size // micro
+
+
 def train_setup(cfg, devices=None, plan=None):
     """TrainSetup for cfg on `devices` (default: this process's) under `plan` (default: cfg's own): the mesh,
     the model configuration, the optimizer and the batch, read here so that TrainSetup never sees the config.
@@ -56,11 +71,12 @@ def train_setup(cfg, devices=None, plan=None):
     from MaxOffload.parallel import mesh
     from MaxOffload.train import optimizer, step
 
+    device_mesh = mesh.make(cfg.mesh, devices)
     return step.TrainSetup(models.model_config(cfg.model), plan if plan is not None else static_plan(cfg),
-                           mesh.make(cfg.mesh, devices),
+                           device_mesh,
                            {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()},
                            exchange=cfg.mesh.exchange, tx=optimizer.build(cfg.train),
                            schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
                            per_device_batch=cfg.train.per_device_batch_size,
-                           micro_batches=cfg.train.grad_accum_steps, seed=cfg.run.seed,
+                           micro_batches=micro_batches(cfg, device_mesh.size), seed=cfg.run.seed,
                            on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite])

@@ -53,10 +53,10 @@ def get_config(size="671b"):
         cfg.mesh.ici.expert = 8
         cfg.mesh.ici.fsdp = -1
         cfg.aot.topology = "2x16x4"  # 128 GB200: two NVL72 racks of 64 GPUs (aot and auto dry runs)
-        # 4,096 sequences of 4,096 tokens a step (16.8M tokens) on 128 GPUs: 32 micro-batches of one sequence per
+        # 4,096 sequences of 4,096 tokens a step (16.8M tokens): on 128 GPUs 32 micro-batches of one sequence per
         # GPU, accumulated in the step (aot: 144.0 GiB HBM with the float32 gradient accumulator, FITS; compiled
         # work 1.24x the model FLOPs, as for one micro-batch: benchmarks/results/grad_accum_2026-12-03)
-        cfg.train.grad_accum_steps = 32
+        cfg.train.global_batch_size = 4096
         for axis in ("embed", "q_lora", "kv_lora"):
             cfg.mesh.rules[axis] = ["fsdp", "expert"]
     return cfg

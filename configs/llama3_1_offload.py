@@ -22,8 +22,8 @@ def get_config(size="8b"):
     cfg.xla.preset = "lhs_pipelined_offload"
     add_layer_group(cfg, "last_two", layers="-2-", policy="minimal")  # counted from the end: any depth
     if size == "405b":
-        # 2,048 sequences of 8,192 tokens a step (16.8M tokens, Llama 3.1's pre-training batch) on 128 GPUs: 16
+        # 2,048 sequences of 8,192 tokens a step (16.8M tokens, Llama 3.1's pre-training batch): on 128 GPUs 16
         # micro-batches of one sequence per GPU, accumulated in the step (aot on 2x16x4 GB200: 138.9 GiB HBM with
         # the float32 gradient accumulator, FITS; benchmarks/results/grad_accum_2026-12-03)
-        cfg.train.grad_accum_steps = 16
+        cfg.train.global_batch_size = 2048
     return cfg

@@ -45,12 +45,12 @@ def test_micro_batches_are_one_batch_under_fsdp_on_eight_devices():
 
 @pytest.mark.once  # resume itself runs on both stacks in test_checkpoint.py
 def test_a_preempted_accumulating_run_resumes_bit_identically(tmp_path):
-    args = [*TINY, "train.per_device_batch_size=1", "train.grad_accum_steps=2", "train.steps=16",
+    args = [*TINY, "train.per_device_batch_size=1", "train.global_batch_size=2", "train.steps=16",
             "checkpoint.every_steps=4"]
     straight = tmp_path / "straight"
     result = run_cli(["train.py", *args, f"run.output_dir={straight}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "of 2 x 32 tokens" in result.stdout  # the step's batch counts both micro-batches
+    assert "of 2 x 32 tokens" in result.stdout  # two micro-batches of one (derived from global_batch_size)
     resumed = tmp_path / "resumed"
     saved, _ = sigterm_and_resume([*args, f"run.output_dir={resumed}"], resumed, 6)
     assert 6 <= saved < 16
@@ -62,6 +62,22 @@ def test_grad_accum_steps_must_be_positive(tmp_path):
     result = run_cli(["train.py", *TINY, "train.grad_accum_steps=0", f"run.output_dir={tmp_path}"])
     assert result.returncode == 2
     assert result.stderr.strip() == "error: train.grad_accum_steps must be > 0, got 0"
+
+
+def test_global_batch_size_sets_the_micro_batches_or_says_in_one_line_why_not(tmp_path):
+    from MaxOffload import from_config
+    from MaxOffload.config import ConfigError, load
+
+    base = [*TINY, "train.per_device_batch_size=2", f"run.output_dir={tmp_path}"]
+    assert from_config.micro_batches(load([*base, "train.grad_accum_steps=3"]), 4) == 3
+    assert from_config.micro_batches(load([*base, "train.global_batch_size=64"]), 4) == 8
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size=12 is not a multiple of per_device_batch_size 2 "
+                                          r"x 4 devices = 8 sequences a micro-batch; give a multiple of 8"):
+        from_config.micro_batches(load([*base, "train.global_batch_size=12"]), 4)
+    with pytest.raises(ConfigError, match="both set the step's batch; set one of them"):
+        load([*base, "train.global_batch_size=16", "train.grad_accum_steps=2"])
+    with pytest.raises(ConfigError, match="train.global_batch_size must be >= 0"):
+        load([*base, "train.global_batch_size=-4"])
 
 
 @pytest.mark.once

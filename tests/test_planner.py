@@ -51,6 +51,18 @@ def test_cost_model_by_hand(tmp_path):
     assert g.forward_flops == pytest.approx(2 * tokens * params + 2 * 2 * tokens * 64 / 2 * 4 * 16)
 
 
+def test_accumulation_plans_memory_for_one_micro_batch_and_time_for_the_step(tmp_path):
+    """k micro-batches: the same candidates (bytes per micro-batch) and decisions as one micro-batch, k times
+    the predicted step time and the same TFLOP/s (the model FLOPs count the whole step)."""
+    one = planner.decide(load([*TINY, "remat.policy=auto", f"run.output_dir={tmp_path}"]), confirm=False, log=quiet)
+    four = planner.decide(load([*TINY, "remat.policy=auto", "train.grad_accum_steps=4", f"run.output_dir={tmp_path}"]),
+                          confirm=False, log=quiet)
+    assert [c.bytes for c in four.candidates] == [c.bytes for c in one.candidates]
+    assert four.decisions == one.decisions and four.hbm_bytes() == one.hbm_bytes()
+    assert four.step_time() == pytest.approx(4 * one.step_time())
+    assert four.tflops_per_device() == pytest.approx(one.tflops_per_device())
+
+
 def _machine(hbm, host=1e12, link=1e9):
     return Machine("test", hbm, 1e12, 1e12, link, host, True, overlap=0.8)
 

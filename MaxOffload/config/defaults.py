@@ -23,6 +23,9 @@ SCHEMA = {
         "grad_accum_steps": (1, "micro-batches per optimizer step: their gradients are summed in float32 inside the "
                                 "step (a scan), then one update; a step trains per_device_batch_size x devices x "
                                 "grad_accum_steps sequences"),
+        "global_batch_size": (0, "sequences per optimizer step instead of grad_accum_steps (0: unset): the run "
+                                 "derives grad_accum_steps = global_batch_size / (per_device_batch_size x devices), "
+                                 "which must divide; set one of the two"),
         "seq_len": (256, "tokens per sequence"),
         "learning_rate": (3e-4, "peak learning rate, reached after the warmup"),
         "warmup_steps": (10, "linear warmup from 0 to learning_rate"),

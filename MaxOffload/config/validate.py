@@ -96,6 +96,11 @@ def validate(cfg):
     _require(run.output_dir.strip() != "", "run.output_dir is empty; give a directory, e.g. runs/my_run")
     _positive(cfg, "run.log_every", "train.steps", "train.per_device_batch_size", "train.seq_len",
               "train.eval_batches", "train.grad_accum_steps")
+    _require(train.global_batch_size >= 0, f"train.global_batch_size must be >= 0 (0: per_device_batch_size x "
+                                           f"devices x grad_accum_steps), got {train.global_batch_size}")
+    _require(not train.global_batch_size or train.grad_accum_steps == 1,
+             f"train.global_batch_size={train.global_batch_size} and train.grad_accum_steps={train.grad_accum_steps} "
+             "both set the step's batch; set one of them (grad_accum_steps is derived from global_batch_size)")
     for key in ("train.learning_rate", "train.weight_decay", "train.grad_clip_norm", "train.adam_eps"):
         value = _get(cfg, key)
         _require(math.isfinite(value) and value >= 0, f"{key} must be a finite number >= 0, got {value}")

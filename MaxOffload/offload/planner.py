@@ -241,7 +241,7 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
     else:
         base, source = analytic_base(setup, groups, mc.vocab_size), "analytic estimate (no compile)"
     result = Choice({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s,
-                  xla_preset=setup.plan.xla_preset)
+                    micro_batches=setup.micro_batches, xla_preset=setup.plan.xla_preset)
     result.decisions, result.reasons = search(candidates, costs, m, base)
     if not confirm:
         return result
@@ -406,6 +406,7 @@ def cache_key(cfg, target, topology, device_count=None):
 
     relevant = {k: cfg[k].to_dict() for k in ("model", "remat", "mesh", "offload", "xla")}
     relevant.update(batch=cfg.train.per_device_batch_size, micro_batches=cfg.train.grad_accum_steps,
+                    global_batch=cfg.train.global_batch_size,
                     seq_len=cfg.train.seq_len,
                     mem_fraction=cfg.launch.mem_fraction, target=target, topology=topology,
                     devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,

@@ -25,8 +25,9 @@ class Choice:
     compiled_hbm: float = None
     compiled_host: float = None
     compiled_work: dict = None  # the confirming compile's audit (MaxOffload/audit.py)
-    model_flops_per_device: float = 0.0
-    other_s: float = 0.0  # embedding/unembedding etc.: outside the layers
+    model_flops_per_device: float = 0.0  # the whole step's (every micro-batch)
+    other_s: float = 0.0  # embedding/unembedding etc.: outside the layers, per micro-batch
+    micro_batches: int = 1  # per step (train.grad_accum_steps): memory is planned for one, time counts all
     xla_preset: str = None  # the XLA preset it compiles under (None: the run's own)
     timeline: dict = None  # the chosen plan's compiled timeline (MaxOffload/timeline.py), once confirmed
     trials: list = dataclasses.field(default_factory=list)  # planner.Trial: the candidates of the final choice
@@ -44,10 +45,11 @@ class Choice:
         return self.timeline["step_s"] if self.timeline else self.analytic_step_time()
 
     def analytic_step_time(self):
-        """The cost model's seconds per step: compute (forward + backward (2x) + recomputation) + storing + exposed
-        copies. Once a confirming compile was audited (compiled_work, MaxOffload/audit.py), the compute is
-        the compiled program's matmul FLOPs at the achievable peak, not the model's ideal: a plan that
-        compiles into extra work (a dense ragged_dot, say) is predicted slower."""
+        """The cost model's seconds per step: per micro-batch, compute (forward + backward (2x) + recomputation) +
+        storing + exposed copies, times the step's micro-batches. Once a confirming compile was audited
+        (compiled_work, MaxOffload/audit.py), the compute is the compiled program's (whole step's) matmul FLOPs
+        at the achievable peak, not the model's ideal: a plan that compiles into extra work (a dense
+        ragged_dot, say) is predicted slower."""
         compute, rest = self.other_s, 0.0
         for group, g in self.costs.items():
             members = [c for c in self.candidates if c.group == group]
@@ -56,8 +58,8 @@ class Choice:
             compute += g.layers * (3 * g.forward_s + recompute)
             rest += g.layers * (stored + self.exposed_s(group, recompute))
         if self.compiled_work is not None:
-            compute = self.compiled_work["compiled_matmul_flops"] / self.machine.peak_flops
-        return compute + rest
+            return self.compiled_work["compiled_matmul_flops"] / self.machine.peak_flops + self.micro_batches * rest
+        return self.micro_batches * (compute + rest)
 
     def exposed_s(self, group, recompute=0.0):
         """Per layer: copy time that does not hide under the layer's compute (to host in the forward,

@@ -137,7 +137,7 @@ def run(cfg, plan, devices=None):
 
 def describe_setup(cfg, setup, say):
     devices = list(setup.mesh.devices.flat)
-    global_batch = cfg.train.per_device_batch_size * len(devices) * cfg.train.grad_accum_steps
+    global_batch = cfg.train.per_device_batch_size * len(devices) * setup.micro_batches
     summary = {"params_total": setup.params_total(), "params_active": setup.model_config.active_params(),
                "state_bytes_per_device": setup.state_bytes_per_device(),
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
