@@ -71,7 +71,7 @@ def build_report(cfg, plan, target, topology):
         "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
         "problems": problems, "compile_time_s": compile_time,
         "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
-        "weight_gathers": weight_gathers(module, setup.micro_batches),
+        "weight_gathers": {**weight_gathers(module, setup.micro_batches), "asked": setup.gather_weights},
         "warnings": [w for w in [xla_bugs.affects(plan, "gpu")] if w] + [f"compiled work: {w}" for w in
                                                                          work["warnings"]],
     }, simulation
@@ -117,7 +117,8 @@ def format_report(r):
     gathers = r.get("weight_gathers")
     if gathers and gathers["micro_batches"] > 1:
         lines.append(f"all-gathers (FSDP weights): {gathers['per_step_bytes'] / 1e9:,.4g} GB per device per step, "
-                     f"gathered {gathers['where']} ({gathers['micro_batches']} micro-batches; "
+                     f"gathered {gathers['where']} (train.gather_weights={gathers['asked']}, "
+                     f"{gathers['micro_batches']} micro-batches; "
                      f"{gathers['in_micro_batch_loop_bytes'] / 1e9:,.4g} GB of it inside the accumulation loop)")
     if r["problems"]:
         lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))

@@ -78,5 +78,6 @@ def train_setup(cfg, devices=None, plan=None):
                            exchange=cfg.mesh.exchange, tx=optimizer.build(cfg.train),
                            schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
                            per_device_batch=cfg.train.per_device_batch_size,
-                           micro_batches=micro_batches(cfg, device_mesh.size), seed=cfg.run.seed,
+                           micro_batches=micro_batches(cfg, device_mesh.size),
+                           gather_weights=cfg.train.gather_weights, seed=cfg.run.seed,
                            on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite])

@@ -113,12 +113,13 @@ class Module:
         return max(0, -(-(bound - init) // step))
 
     def gathered_bytes(self, computation, times=1):
-        """Bytes all-gathers produce (their results) when `computation` runs `times` times: through while loops
+        """Bytes of floating-point data all-gathers produce (their results: weights and activations, not the
+        integer indices a sharded lookup gathers) when `computation` runs `times` times: through while loops
         (x their trip count, 1 when unknown), calls and conditionals (their dearest branch)."""
         total = 0
         for ins in self.computations.get(computation, ()):
-            if ins.opcode in ("all-gather", "all-gather-start"):
-                total += times * max((a.bytes for a in ins.arrays), default=0)  # a start's tuple: input, output
+            if ins.opcode in ("all-gather", "all-gather-start"):  # a start's tuple: input, output
+                total += times * max((a.bytes for a in ins.arrays if a.dtype[0] in "fb"), default=0)
             elif ins.opcode == "while":
                 total += self.gathered_bytes(ins.called("body"), times * (self.trip_count(ins) or 1))
             elif ins.opcode == "call":

@@ -284,4 +284,4 @@ def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_ba
     # FSDP over the 4 GPUs: the weights are gathered inside the accumulation loop, once per micro-batch
     gathers = micro["weight_gathers"]
     assert gathers["where"] == "per micro-batch" and 0 < gathers["in_micro_batch_loop_bytes"] < gathers["per_step_bytes"]
-    assert whole["weight_gathers"]["where"] == "per step" and "gathered per micro-batch (2 micro-batches" in result.stdout
+    assert whole["weight_gathers"]["where"] == "per step" and "gathered per micro-batch (train.gather_weights=per_micro_batch, 2 micro-batches" in result.stdout

@@ -40,7 +40,14 @@ def test_micro_batches_are_one_batch_on_one_device():
 
 
 def test_micro_batches_are_one_batch_under_fsdp_on_eight_devices():
-    assert_one_batch(check(CASES, devices=8, extra=["mesh.ici.fsdp=8"]))
+    """... and train.gather_weights=per_step gathers the fsdp-sharded weights once, outside the micro-batches' loop,
+    with the same result; by default XLA gathers them in each micro-batch."""
+    found = check({**CASES, "llama gathered per step": [*CASES["llama"], "train.gather_weights=per_step"]},
+                  devices=8, extra=["mesh.ici.fsdp=8"])
+    assert_one_batch(found)
+    default, once = found["llama"]["gathered"], found["llama gathered per step"]["gathered"]
+    assert default["where"] == "per micro-batch" and default["in_micro_batch_loop_bytes"] > 0
+    assert once["where"] == "per step" and once["in_micro_batch_loop_bytes"] == 0 and once["per_step_bytes"] > 0
 
 
 @pytest.mark.once  # resume itself runs on both stacks in test_checkpoint.py

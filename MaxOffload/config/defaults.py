@@ -23,6 +23,9 @@ SCHEMA = {
         "grad_accum_steps": (1, "micro-batches per optimizer step: their gradients are summed in float32 inside the "
                                 "step (a scan), then one update; a step trains per_device_batch_size x devices x "
                                 "grad_accum_steps sequences"),
+        "gather_weights": ("per_micro_batch", "with grad_accum_steps > 1, where the fsdp-sharded weights are "
+                                              "all-gathered: per_micro_batch (in each micro-batch's passes: least "
+                                              "HBM) | per_step (once, held in HBM through the step: least traffic)"),
         "global_batch_size": (0, "sequences per optimizer step instead of grad_accum_steps (0: unset): the run "
                                  "derives grad_accum_steps = global_batch_size / (per_device_batch_size x devices), "
                                  "which must divide; set one of the two"),

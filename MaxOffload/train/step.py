@@ -17,6 +17,7 @@ from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.parallel.layout import ParallelLayout
 
 BATCH_AXES = ("activation_batch", "activation_length")
+PER_MICRO_BATCH, PER_STEP = "per_micro_batch", "per_step"  # where accumulation gathers the fsdp-sharded weights
 HOST, DEVICE = "pinned_host", "device"
 
 
@@ -31,6 +32,12 @@ def check_divisible(abstract_params, shardings, mesh):
                 raise ConfigError(f"parameter {name} {tuple(leaf.shape)}: dimension {dim} cannot be split {ways} ways "
                                   f"over mesh axes {entry} ({mesh_lib.describe(mesh)}); change mesh.ici/mesh.dcn "
                                   "or mesh.rules")
+
+
+def _without(axes, mesh_axis):
+    """A PartitionSpec entry (None, a mesh axis or a tuple of them) without `mesh_axis`."""
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a != mesh_axis)
+    return kept or None
 
 
 def _outputs(model, inputs):
@@ -64,18 +71,20 @@ class TrainSetup:
     """
 
     def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
-                 micro_batches=1, on_nonfinite=skip_nonfinite):
+                 micro_batches=1, gather_weights=PER_MICRO_BATCH, on_nonfinite=skip_nonfinite):
         """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
         plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
         tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
-        (gradient accumulation; a step's batch is then [micro_batches, rows, seq_len]); on_nonfinite:
+        (gradient accumulation; a step's batch is then [micro_batches, rows, seq_len]); gather_weights: with
+        several micro-batches, PER_MICRO_BATCH (the fsdp-sharded weights are all-gathered inside each micro-batch's
+        passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); on_nonfinite:
         skip_nonfinite or halt_on_nonfinite. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
         self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
                           schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
-                          micro_batches=micro_batches, on_nonfinite=on_nonfinite)
+                          micro_batches=micro_batches, gather_weights=gather_weights, on_nonfinite=on_nonfinite)
         self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
         self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
-        self.micro_batches = micro_batches
+        self.micro_batches, self.gather_weights = micro_batches, gather_weights
         self.layout = ParallelLayout.of(mesh, rules, exchange)  # handed to the model, once
         self.compiler_options = xla.compiler_options(plan.xla_preset)  # every compile of the step gets the preset
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
@@ -101,6 +110,9 @@ class TrainSetup:
             "model_state": jax.tree.map(lambda _: replicated, self.abstract_state["model_state"]),
         }
         self.param_shardings = param_shardings  # in HBM: where gradients are accumulated
+        # gather_weights=PER_STEP: the weights without their fsdp sharding, held through the step's micro-batches
+        self.gathered_shardings = jax.tree.map(
+            lambda s: NamedSharding(mesh, PartitionSpec(*(_without(axes, "fsdp") for axes in s.spec))), param_shardings)
         self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
         # a step's batch: one batch, or its micro-batches stacked in front (not sharded)
         self.step_batch_sharding = self.batch_sharding if micro_batches == 1 else \
@@ -154,6 +166,8 @@ class TrainSetup:
             (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, model_state, batch)
             return loss, aux, grads
         k = self.micro_batches
+        if self.gather_weights == PER_STEP:  # one all-gather of the fsdp shards, outside the micro-batches' loop
+            params = jax.lax.with_sharding_constraint(params, self.gathered_shardings)
         count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
         grad_fn = jax.value_and_grad(lambda p, b: self.loss(p, model_state, b, count, k), has_aux=True)

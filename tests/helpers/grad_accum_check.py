@@ -1,6 +1,7 @@
 """k micro-batches of b rows against one batch of k x b rows, in ONE process (run it with 8 simulated CPU devices
 via XLA_FLAGS for the sharded case): prints JSON {case: {"loss": rel diff, "grads": rel diff, "state": max abs
-diff of the model state after the step}}. argv[1]: JSON {case: [config overrides]}."""
+diff of the model state after the step, "gathered": where the accumulating step all-gathers its weights
+(MaxOffload.aot.weight_gathers of its compiled program)}}. argv[1]: JSON {case: [config overrides]}."""
 import json
 import sys
 
@@ -13,7 +14,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from MaxOffload import from_config  # noqa: E402
+from MaxOffload import from_config, hlo  # noqa: E402
+from MaxOffload.aot import weight_gathers  # noqa: E402
 from MaxOffload.config import load  # noqa: E402
 
 K, ROWS, SEQ = 4, 2, 16
@@ -37,7 +39,9 @@ def compare(overrides):
     big = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((rows, SEQ), np.float32)}
     parts = [{k: v[i * rows // K:(i + 1) * rows // K] for k, v in big.items()} for i in range(K)]
     one = jax.jit(whole.gradients)(state["params"], state["model_state"], whole.put_step_batch([big]))
-    many = jax.jit(micro.gradients)(state["params"], state["model_state"], micro.put_step_batch(parts))
+    args = (state["params"], state["model_state"], micro.put_step_batch(parts))
+    compiled = jax.jit(micro.gradients).lower(*args).compile()
+    many = compiled(*args)
     (loss_1, aux_1, grads_1), (loss_k, aux_k, grads_k) = one, many
     state_1, state_k = aux_1.get("model_state", {}), aux_k.get("model_state", {})
     return {"loss": abs(float(loss_k) - float(loss_1)) / abs(float(loss_1)), "grads": relative(grads_k, grads_1),
@@ -46,7 +50,8 @@ def compare(overrides):
             "state_leaves": len(jax.tree.leaves(state_1)),
             "state_moved": max([float(jnp.max(jnp.abs(a - b))) for a, b in
                                 zip(jax.tree.leaves(state_k), jax.tree.leaves(state["model_state"]))], default=0.0),
-            "metrics": sorted(aux_k.get("metrics", {}))}
+            "metrics": sorted(aux_k.get("metrics", {})),
+            "gathered": weight_gathers(hlo.parse(compiled.as_text()), K)}
 
 
 if __name__ == "__main__":
