@@ -217,6 +217,72 @@ def test_bad_checkpoints_are_one_line_and_change_nothing(exported, tmp_path, cap
     assert "not empty" in one_line_error(["to-hf", run_dir, "--out", hf_dir], capsys)
 
 
+def edit_header(src, dst, edit):
+    """A copy of checkpoint `src` whose every shard's safetensors header (the parsed JSON) went through
+    edit(header, shard name) -> the header to write (any JSON); the tensors' bytes stay as they were."""
+    shutil.copytree(src, dst)
+    for name in HFCheckpoint(src).files:
+        path = os.path.join(dst, name)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header, data = json.loads(f.read(n)), f.read()
+        raw = json.dumps(edit(header, name)).encode()
+        with open(path, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw + data)
+    return dst
+
+
+def edit_json(src, dst, name, edit):
+    """A copy of checkpoint `src` whose JSON file `name` went through edit(parsed) -> what to write."""
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, name)) as f:
+        parsed = json.load(f)
+    with open(os.path.join(dst, name), "w") as f:
+        json.dump(edit(parsed), f)
+    return dst
+
+
+@pytest.mark.once
+def test_hostile_checkpoints_are_one_line_and_never_converted(tmp_path_factory, tmp_path, capsys):
+    """What a format reader must refuse: a tensor whose offsets point at another's bytes (it would silently get
+    those weights), an integer tensor relabelled as weights, malformed headers, index files and config.json
+    fields; each one line, exit 2, no output."""
+    spec, overrides, _, _, _, hf_dir = export(LLAMA, tmp_path_factory)
+    out = str(tmp_path / "out")
+    hf = HFCheckpoint(hf_dir)
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert hf.tensors[q][0] == hf.tensors[o][0] and hf.shape(q) == hf.shape(o)  # one shard, the same size
+
+    def header(label, edit):
+        return edit_header(hf_dir, str(tmp_path / label), lambda h, shard: edit(h) if q in h else h)
+
+    def refused(directory, *expected):
+        err = one_line_error(["from-hf", directory, "--config", spec, *overrides, "--out", out], capsys)
+        assert all(e in err for e in expected), err
+        assert not os.path.exists(out)
+
+    aliased = header("aliased", lambda h: {**h, q: {**h[q], "data_offsets": h[o]["data_offsets"]}})
+    refused(aliased, "not a readable safetensors shard", f"tensor {q}'s bytes", f"overlap tensor {o}'s")
+    refused(header("relabelled", lambda h: {**h, q: {**h[q], "dtype": "I32"}}), f"tensor {q} is stored as I32")
+    refused(header("strings", lambda h: {**h, q: {**h[q], "data_offsets": [str(x) for x in h[q]["data_offsets"]]}}),
+            f"tensor {q}'s data_offsets", "are not two byte offsets")
+    refused(header("list", lambda h: list(h)), "its header is a JSON list, not an object of tensors")
+    refused(header("gap", lambda h: {k: v for k, v in h.items() if k != q}), "belong to no tensor")
+    refused(edit_json(hf_dir, str(tmp_path / "index"), "model.safetensors.index.json",
+                      lambda i: {**i, "weight_map": {k: 3 for k in i["weight_map"]}}), "places", "in 3, not a safetensors")
+    refused(edit_json(hf_dir, str(tmp_path / "escape"), "model.safetensors.index.json",
+                      lambda i: {**i, "weight_map": {k: "../" + v for k, v in i["weight_map"].items()}}), "not a safetensors file beside it")
+    refused(edit_json(hf_dir, str(tmp_path / "config_list"), CONFIG, lambda c: [c]), "is a JSON list, not an object")
+    refused(edit_json(hf_dir, str(tmp_path / "heads"), CONFIG, lambda c: {**c, "num_attention_heads": 0}),
+            "config.json's num_attention_heads is 0; it must be an integer >= 1")
+    refused(edit_json(hf_dir, str(tmp_path / "eps"), CONFIG, lambda c: {**c, "rms_norm_eps": "1e-5"}),
+            "config.json's rms_norm_eps is '1e-5'; it must be a finite number >= 0")
+    llama3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    refused(edit_json(hf_dir, str(tmp_path / "rope"), CONFIG, lambda c: {**c, "rope_parameters": llama3}),
+            "rope_parameters has no factor, which its rope type 'llama3' needs")
+
+
 @pytest.mark.once
 def test_the_command_documents_both_directions_and_bad_input_is_one_line_without_a_traceback(tmp_path):
     help_text = run_cli(["-m", "MaxOffload.convert", "--help"])

@@ -21,6 +21,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+FLOATS = {np.dtype(DTYPES[k]) for k in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")}  # what a weight may be
 INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
 HF_SOURCE = "hf_config.json"  # from-hf keeps the source's config.json beside the weights, for the export
 SCALE_SUFFIX = "_scale_inv"
@@ -35,7 +36,10 @@ def _json(path, what):
 
 
 def read_header(path):
-    """{name: (numpy dtype, shape, absolute byte offset)} of one safetensors file; a damaged one is a ConfigError."""
+    """{name: (numpy dtype, shape, absolute byte offset)} of one safetensors file, checked as a format reader
+    should: the header a JSON object of {dtype, shape, data_offsets} entries, each tensor's offsets integers
+    within the data, exactly dtype x shape bytes long, no two tensors sharing a byte and no byte unaccounted
+    for. A damaged or hostile header is a ConfigError naming the tensor."""
     def corrupt(why):
         return ConfigError(f"{path} is not a readable safetensors shard ({why}); download or copy it again")
 
@@ -49,20 +53,45 @@ def read_header(path):
             raise corrupt(f"header length {n} beyond the file's {size} bytes")
         try:
             header = json.loads(f.read(n))
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             raise corrupt("its header is not JSON") from None
-    entries, start = {}, 8 + n
+    if not isinstance(header, dict):
+        raise corrupt(f"its header is a JSON {type(header).__name__}, not an object of tensors")
+    entries, spans, data = {}, [], size - 8 - n
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise corrupt(f"tensor {name} has an unknown dtype or a malformed entry") from None
-        if end - begin != math.prod(shape) * dtype.itemsize or start + end > size:
-            raise corrupt(f"tensor {name}'s bytes {begin}..{end} do not fit its shape or the file (truncated?)")
-        entries[name] = (dtype, shape, start + begin)
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise corrupt(f"tensor {name}'s entry is not {{dtype, shape, data_offsets}}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise corrupt(f"tensor {name} has the unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+            raise corrupt(f"tensor {name}'s shape {shape!r} is not a list of sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets):
+            raise corrupt(f"tensor {name}'s data_offsets {offsets!r} are not two byte offsets")
+        begin, end = offsets
+        dtype, shape = np.dtype(DTYPES[dtype]), tuple(shape)
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise corrupt(f"tensor {name}'s bytes {begin}..{end} are not the {math.prod(shape) * dtype.itemsize} "
+                          f"its {entry['dtype']} shape {list(shape)} needs")
+        if end > data:
+            raise corrupt(f"tensor {name}'s bytes {begin}..{end} run past the file's {data} bytes of data (truncated?)")
+        entries[name] = (dtype, shape, 8 + n + begin)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, first), (begin, after, name) in zip(spans, spans[1:]):  # sorted: an overlap shows between neighbours
+        if begin < end and after > begin:
+            raise corrupt(f"tensor {name}'s bytes {begin}..{after} overlap tensor {first}'s")
+    for (_, end, _), (begin, *_) in zip([(0, 0, None), *spans], [*spans, (data,)]):
+        if begin != end:
+            raise corrupt(f"bytes {end}..{begin} of its data belong to no tensor")
     return entries
+
+
+def _count(value):
+    """Whether a header value is a size or an offset: an integer >= 0 (JSON's true/false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class HFCheckpoint:
@@ -76,11 +105,19 @@ class HFCheckpoint:
         if not os.path.isfile(os.path.join(directory, CONFIG)):
             raise ConfigError(f"{directory} has no {CONFIG}; give the directory save_pretrained (or a download) wrote")
         self.config = _json(os.path.join(directory, CONFIG), "the model's config.json")
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"{os.path.join(directory, CONFIG)} is a JSON {type(self.config).__name__}, not an "
+                              "object of fields; download or copy it again")
         index = os.path.join(directory, INDEX)
         if os.path.isfile(index):
-            weight_map = _json(index, "the shard index").get("weight_map")
+            weight_map = _json(index, "the shard index")
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict):
-                raise ConfigError(f"{index} has no weight_map; download or copy it again")
+                raise ConfigError(f"{index} has no weight_map object; download or copy it again")
+            for tensor, file in weight_map.items():
+                if not isinstance(file, str) or not file.endswith(".safetensors") or os.path.basename(file) != file:
+                    raise ConfigError(f"{index} places {tensor} in {file!r}, not a safetensors file beside it; "
+                                      "download or copy the index again")
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(os.path.join(directory, SINGLE)):
             files, weight_map = [SINGLE], None
@@ -123,7 +160,13 @@ class HFCheckpoint:
         return np.frombuffer(data, dtype).reshape(shape)
 
     def read(self, name):
-        """The tensor as float32 (dequantised by its block scales when it has them)."""
+        """The tensor as float32 (dequantised by its block scales when it has them); a weight stored as anything
+        but a floating-point type (a relabelled integer tensor) is a ConfigError."""
+        for part in (name, self.scale_of(name)):
+            if part is not None and self.tensors[part][1] not in FLOATS:
+                path, dtype = self.tensors[part][:2]
+                raise ConfigError(f"{path}: tensor {part} is stored as {NAMES[dtype]}, not a floating-point type, so "
+                                  "its bytes are not weights; download or copy the shard again")
         value = self.raw(name)
         scale = self.scale_of(name)
         if scale is None:

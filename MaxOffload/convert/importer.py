@@ -39,6 +39,9 @@ def hf_family(hf):
     """(Family, HFConfig) of a checkpoint, by its config.json's architectures."""
     fields = HFConfig(hf.config, hf.directory)
     architectures = hf.config.get("architectures") or [hf.config.get("model_type", "(none)")]
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ConfigError(f"{hf.directory}/config.json's architectures is {architectures!r}, not a list of class "
+                          "names; download or copy it again")
     family = models.by_architecture(architectures[0])
     if family is None:
         known = ", ".join(a for f in models.FAMILIES.values() if f.hf for a in f.hf.architectures)

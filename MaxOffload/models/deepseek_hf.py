@@ -34,26 +34,29 @@ class DeepSeekHF(HFFormat):
         if kind not in ("default", "yarn"):
             hf.unsupported("rope type", kind, "DeepSeek-V3 supports default and yarn")
         keys = {"family": "deepseek", "vocab_size": hf.get("vocab_size"), "emb_dim": hf.get("hidden_size"),
-                "num_layers": hf.get("num_hidden_layers"), "first_k_dense": hf.get("first_k_dense_replace"),
+                "num_layers": hf.get("num_hidden_layers"), "first_k_dense": hf.get("first_k_dense_replace", minimum=0),
                 "mlp_dim": hf.get("intermediate_size"), "num_heads": hf.get("num_attention_heads"),
                 "q_lora_rank": hf.get("q_lora_rank"), "kv_lora_rank": hf.get("kv_lora_rank"),
                 "qk_nope_head_dim": hf.get("qk_nope_head_dim"), "qk_rope_head_dim": hf.get("qk_rope_head_dim"),
                 "v_head_dim": hf.get("v_head_dim"), "num_experts": hf.get("n_routed_experts"),
-                "num_experts_per_tok": hf.get("num_experts_per_tok"), "num_shared_experts": hf.get("n_shared_experts"),
+                "num_experts_per_tok": hf.get("num_experts_per_tok"),
+                "num_shared_experts": hf.get("n_shared_experts", minimum=0),
                 "moe_mlp_dim": hf.get("moe_intermediate_size"), "n_groups": hf.get("n_group", 1),
-                "topk_groups": hf.get("topk_group", 1), "routed_scaling_factor": float(hf.get("routed_scaling_factor")),
-                "norm_eps": hf.get("rms_norm_eps"), "rope_theta": theta,
+                "topk_groups": hf.get("topk_group", 1),
+                "routed_scaling_factor": hf.get("routed_scaling_factor", kind=float, minimum=0),
+                "norm_eps": hf.get("rms_norm_eps", kind=float, minimum=0), "rope_theta": theta,
                 "rope_scaling": "yarn" if kind == "yarn" else "none",
-                "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+                "tie_embeddings": hf.get("tie_word_embeddings", False, kind=bool)}
         if kind == "yarn":
-            keys.update(rope_factor=float(rope["factor"]), rope_original_max_len=rope["original_max_position_embeddings"],
-                        rope_beta_fast=float(rope.get("beta_fast", 32)), rope_beta_slow=float(rope.get("beta_slow", 1)),
-                        rope_mscale=float(rope.get("mscale", 1)), rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0)))
+            keys.update(rope_factor=rope("factor", minimum=1),
+                        rope_original_max_len=rope("original_max_position_embeddings", kind=int, minimum=1),
+                        rope_beta_fast=rope("beta_fast", 32.0), rope_beta_slow=rope("beta_slow", 1.0),
+                        rope_mscale=rope("mscale", 1.0), rope_mscale_all_dim=rope("mscale_all_dim", 0.0))
         return keys
 
     def mtp_layers(self, hf):
         """The multi-token-prediction layers a config.json says its checkpoint has."""
-        return int(hf.fields.get("num_nextn_predict_layers") or 0)
+        return hf.get("num_nextn_predict_layers", 0, minimum=0)
 
     def skipped_note(self, c, unused):
         if any(n.startswith(f"model.layers.{c.num_layers}.") for n in unused):

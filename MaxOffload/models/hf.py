@@ -16,6 +16,7 @@ slice of them) and back. Rules work on numpy float32 arrays, one layer at a time
 than one layer's tensors.
 """
 import dataclasses
+import math
 from typing import Callable
 
 import numpy as np
@@ -97,16 +98,23 @@ class HFFormat:
 
 
 class HFConfig:
-    """A config.json's fields, read with one-line errors: `get`, `expect`, `unsupported`, `rope`."""
+    """A config.json's fields, read with one-line errors: `get`, `expect`, `unsupported`, `rope`. Every number the
+    model is built from is checked for its type and range here (a string, a list, zero heads, an infinite
+    epsilon: one line naming the field), so that nothing downstream divides by it or builds from it first."""
 
     def __init__(self, fields, source):
         self.fields, self.source = fields, source
 
-    def get(self, name, default=None):
-        value = self.fields.get(name, default)
-        if value is None and default is None:
-            raise ConfigError(f"{self.source}: config.json has no {name}, which this project needs to build the model")
-        return default if value is None else value
+    def get(self, name, default=None, kind=int, minimum=1):
+        """The field as `kind` (int, float or bool), at least `minimum` (numbers; None: any finite value); absent
+        or null: `default` (none: a ConfigError)."""
+        value = self.fields.get(name)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"{self.source}: config.json has no {name}, which this project needs to build "
+                                  "the model")
+            return default
+        return checked(f"{self.source}: config.json's {name}", value, kind, minimum)
 
     def unsupported(self, name, value, supported):
         raise ConfigError(f"{self.source}: config.json has {name}={value!r}, which this project cannot train "
@@ -120,14 +128,41 @@ class HFConfig:
         return value
 
     def rope(self):
-        """(rope type, its parameters, theta): transformers 5 writes `rope_parameters` (with rope_theta in it),
-        older files `rope_scaling` + `rope_theta`; type "default" (or none) is plain RoPE."""
-        params = self.fields.get("rope_parameters") or self.fields.get("rope_scaling") or {}
+        """(rope type, param(name, default=None, kind=float, minimum=0) reading its parameters, theta):
+        transformers 5 writes `rope_parameters` (with rope_theta in it), older files `rope_scaling` +
+        `rope_theta`; type "default" (or none) is plain RoPE."""
+        key = "rope_parameters" if self.fields.get("rope_parameters") else "rope_scaling"
+        params = self.fields.get(key) or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{self.source}: config.json's {key} is a {type(params).__name__}, not an object")
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        theta = params.get("rope_theta", self.fields.get("rope_theta"))
-        if theta is None:
-            raise ConfigError(f"{self.source}: config.json has no rope_theta")
-        return kind, params, float(theta)
+
+        def param(name, default=None, kind=float, minimum=0):
+            value = params.get(name)
+            if value is None:
+                if default is None:
+                    raise ConfigError(f"{self.source}: config.json's {key} has no {name}, which its rope type "
+                                      f"{params.get('rope_type', params.get('type'))!r} needs")
+                return default
+            return checked(f"{self.source}: config.json's {key}.{name}", value, kind, minimum)
+
+        theta = param("rope_theta", minimum=1) if "rope_theta" in params else self.get("rope_theta", kind=float)
+        return kind, param, theta
+
+
+def checked(label, value, kind, minimum):
+    """`value` as `kind` when it is one (an int is a float; a bool is neither), finite and >= `minimum`."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) and \
+            math.isfinite(value) and (minimum is None or value >= minimum)
+    if not ok:
+        want = {bool: "true or false", int: "an integer", float: "a finite number"}[kind]
+        bound = f" >= {minimum}" if minimum is not None and kind is not bool else ""
+        raise ConfigError(f"{label} is {value!r}; it must be {want}{bound}: the file is damaged or not a "
+                          "model's config.json")
+    return kind(value)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,18 +13,18 @@ class LlamaHF(HFFormat):
         kind, rope, theta = hf.rope()
         if kind not in ("default", "llama3"):
             hf.unsupported("rope type", kind, "Llama supports default and llama3")
-        heads = int(hf.get("num_attention_heads"))
-        keys = {"family": "llama", "vocab_size": hf.get("vocab_size"), "emb_dim": hf.get("hidden_size"),
+        heads, emb = hf.get("num_attention_heads"), hf.get("hidden_size")
+        keys = {"family": "llama", "vocab_size": hf.get("vocab_size"), "emb_dim": emb,
                 "num_layers": hf.get("num_hidden_layers"), "num_heads": heads,
                 "num_kv_heads": hf.get("num_key_value_heads", heads),
-                "head_dim": hf.get("head_dim", int(hf.get("hidden_size")) // heads),
-                "mlp_dim": hf.get("intermediate_size"), "norm_eps": hf.get("rms_norm_eps"), "rope_theta": theta,
-                "rope_scaling": "llama3" if kind == "llama3" else "none",
-                "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+                "head_dim": hf.get("head_dim", emb // heads),
+                "mlp_dim": hf.get("intermediate_size"), "norm_eps": hf.get("rms_norm_eps", kind=float, minimum=0),
+                "rope_theta": theta, "rope_scaling": "llama3" if kind == "llama3" else "none",
+                "tie_embeddings": hf.get("tie_word_embeddings", False, kind=bool)}
         if kind == "llama3":
-            keys.update(rope_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
-                        rope_high_freq_factor=rope["high_freq_factor"],
-                        rope_original_max_len=rope["original_max_position_embeddings"])
+            keys.update(rope_factor=rope("factor", minimum=1), rope_low_freq_factor=rope("low_freq_factor"),
+                        rope_high_freq_factor=rope("high_freq_factor"),
+                        rope_original_max_len=rope("original_max_position_embeddings", kind=int, minimum=1))
         return keys
 
     def config_json(self, c):
