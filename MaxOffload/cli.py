@@ -10,6 +10,7 @@
 - `@tool` on a tool's main (or `run(main)`) turns the errors of MaxOffload.errors into one line on stderr and their exit status.
 """
 import functools
+import signal
 import sys
 
 from MaxOffload.errors import ConfigError, exit_code
@@ -68,9 +69,10 @@ def run(main, argv=None):
     """main(argv) -> exit status; our errors become `error: <one line>` on stderr and their status."""
     try:
         return main(sys.argv[1:] if argv is None else argv)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum, note = getattr(e, "signum", 2), getattr(e, "note", "")
+        print(f"interrupted by {signal.Signals(signum).name}{'; ' + note if note else ''}", file=sys.stderr)
+        return 128 + signum
     except Exception as e:  # noqa: BLE001 - only our own kinds are mapped; anything else is re-raised
         code = exit_code(e)
         if code is None:

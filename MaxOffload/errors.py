@@ -5,6 +5,7 @@ data, planner, the command-line tools) can raise these without import cycles.
 
   exit 2  the input is wrong (ConfigError and its kinds): one line naming the problem and the fix;
           nothing was changed.
+  exit 130/143  a tool was interrupted (Ctrl-C / SIGTERM: Interrupted); one line says what it left.
   exit 1  the run stopped on what it found (ParityError, NonFiniteError; parallel/rollcall.py's one line when a
           multi-process job never assembles).
 """
@@ -24,6 +25,14 @@ class ParityError(Exception):
 
 class NonFiniteError(Exception):
     """Training stopped on a non-finite loss or gradient (train.on_nonfinite=stop; exit 1)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM stopped a tool: exit 128 + the signal's number, `note` saying what was kept."""
+
+    def __init__(self, signum=2, note=""):
+        super().__init__(signum, note)
+        self.signum, self.note = signum, note
 
 
 def suggest(word, choices):

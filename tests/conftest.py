@@ -1,5 +1,6 @@
 """Shared test helpers. Tests run on CPU; a subprocess gets its own XLA_FLAGS when it needs
 several simulated devices."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -41,3 +42,17 @@ def run_cli(args, env=None, timeout=600):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@contextlib.contextmanager
+def small_filesystem(path, size="256k", read_only=False):
+    """A real tmpfs of `size` at `path` (created), mounted read-only if asked, unmounted after: a full disk or a
+    read-only filesystem for the test to write into. Needs root, as CI has (its Slurm runs as root too)."""
+    os.makedirs(path, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True)
+    assert mounted.returncode == 0, f"cannot mount a tmpfs (run the tests as root): {mounted.stderr.strip()}"
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", path], check=True)

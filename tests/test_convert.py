@@ -6,13 +6,17 @@ itself, layer by layer)."""
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import ROOT, process_env, run_cli, small_filesystem
 from MaxOffload import from_config
 from MaxOffload.cli import run
 from MaxOffload.config.loader import load
@@ -201,7 +205,7 @@ def test_bad_checkpoints_are_one_line_and_change_nothing(exported, tmp_path, cap
     assert run(main, args(hf_dir)) == 0
     capsys.readouterr()
     before = sorted(os.listdir(os.path.join(out, "checkpoints")))
-    assert "already holds checkpoints" in one_line_error(args(hf_dir), capsys)
+    assert "is not empty; nothing was changed" in one_line_error(args(hf_dir), capsys)
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == before
     # export: a damaged checkpoint is found before anything is written
     chunk = next(os.path.join(root, name) for root, _, names in os.walk(os.path.join(out, "checkpoints", "0", "state"))
@@ -281,6 +285,109 @@ def test_hostile_checkpoints_are_one_line_and_never_converted(tmp_path_factory, 
               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
     refused(edit_json(hf_dir, str(tmp_path / "rope"), CONFIG, lambda c: {**c, "rope_parameters": llama3}),
             "rope_parameters has no factor, which its rope type 'llama3' needs")
+
+
+@pytest.mark.once
+def test_a_conversion_never_writes_into_its_source_or_what_it_did_not_create(tmp_path_factory, tmp_path, capsys):
+    spec, overrides, run_dir, _, _, hf_dir = export(LLAMA, tmp_path_factory)
+    before = {name: open(os.path.join(hf_dir, name), "rb").read() for name in os.listdir(hf_dir)}
+    os.symlink(hf_dir, tmp_path / "link")
+    (tmp_path / "file").write_text("mine")
+    for out, why in ((hf_dir, "is, contains or lies inside the source"),
+                     (os.path.join(hf_dir, "converted"), "is, contains or lies inside the source"),
+                     (str(tmp_path / "link"), "is a symbolic link"), (str(tmp_path / "file"), "is a file")):
+        err = one_line_error(["from-hf", hf_dir, "--config", spec, *overrides, "--out", out], capsys)
+        assert why in err, err
+    assert {name: open(os.path.join(hf_dir, name), "rb").read() for name in os.listdir(hf_dir)} == before
+    assert (tmp_path / "file").read_text() == "mine"
+    assert "lies inside the source" in one_line_error(["to-hf", run_dir, "--out", os.path.join(run_dir, "hf")], capsys)
+    # directories beside --out that look like a conversion's leftovers but were not made by one stay
+    out = tmp_path / "exported"
+    for name in ("exported.partial", "exported.partial-someone"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keep.txt").write_text("mine")
+    assert run(main, ["to-hf", run_dir, "--out", str(out)]) == 0
+    assert (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("exported.")) == \
+        ["exported.partial", "exported.partial-someone"]
+
+
+def _stopped_mid_conversion(argv, out):
+    """A `python -m MaxOffload.convert ARGV` process frozen (SIGSTOP) while its staging directory beside `out`
+    exists, i.e. mid-conversion; retried when a conversion outruns the polling."""
+    pattern = os.path.basename(out) + ".partial-"
+    for _ in range(5):
+        process = subprocess.Popen([sys.executable, "-m", "MaxOffload.convert", *argv], cwd=ROOT, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=process_env(["python"]))
+        while process.poll() is None:
+            if any(n.startswith(pattern) for n in os.listdir(os.path.dirname(out))):
+                process.send_signal(signal.SIGSTOP)
+                return process
+            time.sleep(0.002)
+        assert process.returncode == 0, process.communicate()[1]
+        shutil.rmtree(out)
+    raise AssertionError("the conversion always finished before it could be stopped")
+
+
+@pytest.mark.once
+def test_signals_leave_nothing_behind_and_a_killed_conversion_reruns(tmp_path_factory, tmp_path):
+    """SIGTERM and Ctrl-C (SIGINT) mid-conversion: one line, exit 128 + the signal, no output, no staging
+    directory. kill -9: the staging directory stays, and the same command run again removes it (one line) and
+    completes."""
+    spec, overrides, _, _, _, hf_dir = export(LLAMA, tmp_path_factory)
+    out = str(tmp_path / "weights")
+    argv = ["from-hf", hf_dir, "--config", spec, *overrides, "--out", out]
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        process = _stopped_mid_conversion(argv, out)
+        process.send_signal(sig)
+        process.send_signal(signal.SIGCONT)
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == code and err.strip() == f"interrupted by {sig.name}; {out} was not written " \
+            "(its partial output was removed)", (process.returncode, err)
+        assert os.listdir(tmp_path) == []
+    process = _stopped_mid_conversion(argv, out)
+    process.kill()
+    process.communicate(timeout=120)
+    [left] = os.listdir(tmp_path)
+    assert left.startswith("weights.partial-") and not os.path.exists(out)
+    again = run_cli(["-m", "MaxOffload.convert", *argv])
+    assert again.returncode == 0, again.stderr
+    assert f"removed {tmp_path / left}, the partial output of an interrupted conversion" in again.stdout
+    assert os.listdir(tmp_path) == ["weights"] and os.path.isdir(os.path.join(out, "checkpoints", "0", "state"))
+
+
+@pytest.mark.once
+def test_an_export_whose_checkpoint_its_run_removes_says_so(tmp_path_factory, tmp_path):
+    """A live run deletes its older checkpoints (checkpoint.keep) while to-hf may be reading one: one line that
+    the run removed it, never that it is damaged, and no output."""
+    _, _, run_dir, _, _, _ = export(LLAMA, tmp_path_factory)
+    run_copy = shutil.copytree(run_dir, str(tmp_path / "run"))
+    out = str(tmp_path / "hf")
+    process = _stopped_mid_conversion(["to-hf", run_copy, "--out", out], out)
+    shutil.rmtree(os.path.join(run_copy, "checkpoints", "0"))  # what the trainer's retention does
+    process.send_signal(signal.SIGCONT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 2 and err.strip().splitlines() == [
+        f"error: checkpoint {run_copy}/checkpoints/0 was removed by its run while it was exported (a training run "
+        "keeps its newest checkpoint.keep checkpoints); nothing was written: export the run's newest checkpoint "
+        "again"], err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+@pytest.mark.once
+def test_a_full_or_read_only_filesystem_is_one_line_and_leaves_nothing(tmp_path_factory, tmp_path, capsys):
+    spec, overrides, run_dir, _, _, hf_dir = export(LLAMA, tmp_path_factory)  # 0.6 MiB of float32 weights
+    disk = str(tmp_path / "disk")
+    with small_filesystem(disk, "256k"):
+        for argv in (["from-hf", hf_dir, "--config", spec, *overrides], ["to-hf", run_dir, "--dtype", "float32"]):
+            err = one_line_error([*argv, "--out", os.path.join(disk, "out")], capsys)
+            assert err == f"error: cannot write {disk}/out (No space left on device); nothing was written: free " \
+                "space or give a writable --out"
+            assert os.listdir(disk) == []
+    with small_filesystem(disk, "1m", read_only=True):
+        err = one_line_error(["from-hf", hf_dir, "--config", spec, *overrides, "--out", os.path.join(disk, "out")],
+                             capsys)
+        assert "(Read-only file system); nothing was written" in err
 
 
 @pytest.mark.once

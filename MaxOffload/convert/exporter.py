@@ -7,13 +7,13 @@ safetensors shards: one layer in memory at a time.
 """
 import json
 import os
-import shutil
 import time
 
 import ml_dtypes
 import numpy as np
 
 from MaxOffload import models
+from MaxOffload.convert import staging
 from MaxOffload.convert.hf_files import CONFIG, HF_SOURCE, ShardWriter
 from MaxOffload.convert.orbax_files import WeightsReader, nested
 from MaxOffload.errors import ConfigError
@@ -80,37 +80,46 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
     started = time.time()
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    if os.path.isdir(out) and os.listdir(out):
-        raise ConfigError(f"--out {out} is not empty; nothing was changed: give a new directory")
     run_dir, step_dir = locate(source)
+    staging.check_out(out, [run_dir, step_dir])
     family, c = model_config(run_dir)
     # the saved structure must be this model's, and its files whole, before a byte is converted
     try:
         unverified = integrity.verify(step_dir, integrity.structure(nested(models.weight_leaves(c))), 0, 1,
                                       partial=True)
     except integrity.Damaged as e:
-        raise ConfigError(f"checkpoint {step_dir} is damaged ({e}); export another step") from None
+        raise removed_by_its_run(step_dir) or ConfigError(f"checkpoint {step_dir} is damaged ({e}); export another "
+                                                         "step") from None
     except integrity.Mismatch as e:
         raise ConfigError(f"checkpoint {step_dir} does not hold the model its run's config.json describes ({e})") from None
     if unverified:
         say(f"warning: checkpoint {step_dir} is exported unverified: {unverified}")
     reader, target = WeightsReader(step_dir), DTYPES[dtype]
     say(f"to-hf: {step_dir} ({family.hf.architectures[0]}) -> {out} ({dtype})")
-    staging = out.rstrip("/") + ".partial"  # renamed to `out` when complete: a stopped export leaves no `out`
-    shutil.rmtree(staging, ignore_errors=True)
-    writer = ShardWriter(staging, max_shard_bytes)
-    for name, value in hf_tensors(family.hf.groups(c), reader.read):
-        writer.add(name, value.astype(target))
-    shards = writer.close()
-    config = exported_config(family.hf.config_json(c), source_config(run_dir), dtype)
-    with open(os.path.join(staging, CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
-    if os.path.isdir(out):
-        os.rmdir(out)  # empty (checked above)
-    os.replace(staging, out)
+    with staging.staged(out, [run_dir, step_dir], say) as partial:  # renamed to `out` when complete
+        writer = ShardWriter(partial, max_shard_bytes)
+        try:
+            for name, value in hf_tensors(family.hf.groups(c), reader.read):
+                writer.add(name, value.astype(target))
+        except Exception as e:
+            raise removed_by_its_run(step_dir) or e
+        shards = writer.close()
+        config = exported_config(family.hf.config_json(c), source_config(run_dir), dtype)
+        with open(os.path.join(partial, CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
     say(f"  wrote {len(writer.weight_map)} tensors ({gib(writer.total)}) in {shards} shard(s) in "
         f"{time.time() - started:.1f} s; peak memory {gib(peak_rss())}")
     return 0
+
+
+def removed_by_its_run(step_dir):
+    """The one line for a checkpoint that vanished while it was read (its run, still training, keeps only its
+    newest checkpoint.keep ones), or None when it is still there."""
+    if os.path.isdir(step_dir):
+        return None
+    return ConfigError(f"checkpoint {step_dir} was removed by its run while it was exported (a training run keeps "
+                       "its newest checkpoint.keep checkpoints); nothing was written: export the run's newest "
+                       "checkpoint again")
 
 
 def hf_tensors(groups, read):

@@ -8,11 +8,11 @@ the given config file and overrides); its weights are read tensor by tensor and 
 import math
 import os
 import re
-import shutil
 import time
 
 
 from MaxOffload import models
+from MaxOffload.convert import staging
 from MaxOffload.convert.hf_files import HF_SOURCE, SCALE_SUFFIX, HFCheckpoint
 from MaxOffload.convert.orbax_files import WeightsWriter, nested
 from MaxOffload.errors import ConfigError
@@ -103,9 +103,7 @@ def convert(hf, cfg, family, out):
                         raise ConfigError(f"{hf.directory} has no tensor {name}, which {'.'.join(group.path(r.ours[0]))} "
                                           f"is made from{hint}; the checkpoint is incomplete or of another model")
     final = os.path.join(out, "checkpoints", "0")
-    partial = final + ".converting"
-    shutil.rmtree(partial, ignore_errors=True)
-    writer, used = WeightsWriter(partial, shapes), set()
+    writer, used = WeightsWriter(final, shapes), set()
     for group in groups:
         for index, layer in enumerate(group.layers or (None,)):
             for r in group.rules:
@@ -124,8 +122,7 @@ def convert(hf, cfg, family, out):
             for copy in group.copies if layer is not None else ():
                 used.update(group.names(copy, layer))
     writer.finish()
-    integrity.seal(partial, 0, 1, integrity.structure(nested(leaves)))
-    os.replace(partial, final)
+    integrity.seal(final, 0, 1, integrity.structure(nested(leaves)))
     used |= {n + SCALE_SUFFIX for n in used}
     params = sum(math.prod(leaf.shape) for path, leaf in leaves.items() if path[0] == "params")
     return len(used & set(hf.tensors)), sorted(set(hf.tensors) - used), params
@@ -146,21 +143,15 @@ def from_hf(hf_dir, config_spec, overrides, out, say=print):
     started = time.time()
     hf = HFCheckpoint(hf_dir)
     cfg, family, differs = merged_config(hf, config_spec, overrides)
-    if os.path.isdir(os.path.join(out, "checkpoints")) and os.listdir(os.path.join(out, "checkpoints")):
-        raise ConfigError(f"--out {out} already holds checkpoints; nothing was changed: give a new directory")
+    staging.check_out(out, [hf_dir])
     c = models.model_config(cfg.model)
     architecture = hf.config["architectures"][0]
     say(f"from-hf: {hf_dir} ({architecture}, {len(hf.files)} shard(s), {gib(hf.nbytes())}) -> {out}/checkpoints/0 "
         f"({cfg.model.family}, {c.param_dtype} parameters)")
-    created = not os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
-    try:
-        count, unused, params = convert(hf, cfg, family, out)
-    except BaseException:  # nothing is left behind: a new --out goes, an existing one loses only the partial step
-        shutil.rmtree(out if created else os.path.join(out, "checkpoints", "0.converting"), ignore_errors=True)
-        raise
-    rundir.write_config(out, cfg.to_dict(), say)
-    write_json(os.path.join(out, HF_SOURCE), hf.config)  # what an export carries over (exporter.py)
+    with staging.staged(out, [hf_dir], say) as partial:  # renamed to `out` when complete
+        count, unused, params = convert(hf, cfg, family, partial)
+        rundir.write_config(partial, cfg.to_dict(), lambda _: None)
+        write_json(os.path.join(partial, HF_SOURCE), hf.config)  # what an export carries over (exporter.py)
     say(f"  read {count} tensors, wrote {params:,} parameters in {time.time() - started:.1f} s; peak memory "
         f"{gib(peak_rss())}")
     if unused:
