@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT, process_env, run_cli
+from MaxOffload.train import rundir
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=32", "train.per_device_batch_size=2", "train.warmup_steps=2",
         "train.eval_every=0", "model.compute_dtype=float32", "run.log_every=1"]
@@ -102,10 +103,13 @@ def test_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path):
 def test_checkpoint_disabled_neither_resumes_nor_saves(tmp_path):
     args = [*TINY, "train.steps=3", f"run.output_dir={tmp_path}"]
     assert run_cli(["train.py", *args]).returncode == 0
-    result = run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={tmp_path}", "checkpoint.enabled=false"])
+    result = run_cli(["train.py", *TINY, "train.steps=5", f"run.output_dir={tmp_path}", "checkpoint.enabled=false",
+                      "run.overwrite=true"])  # the finished run is moved aside (tests/test_rundir.py)
     assert result.returncode == 0, result.stderr
     assert "resumed from" not in result.stdout and "training steps 1-5" in result.stdout
-    assert sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == ["3"]
+    assert rundir.checkpoint_steps(tmp_path) == []  # nothing saved
+    [aside] = os.listdir(tmp_path / "replaced")
+    assert sorted(n for n in os.listdir(tmp_path / "replaced" / aside / "checkpoints") if n.isdigit()) == ["3"]
 
 
 def _corrupt(step_dir):

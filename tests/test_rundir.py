@@ -54,6 +54,37 @@ def test_a_finished_run_asked_for_fewer_or_as_many_steps_changes_nothing(tmp_pat
     assert json.loads(after["dry_run.json"])["config"]["train"]["steps"] == 4
 
 
+def test_a_directory_holds_one_run_and_run_overwrite_moves_the_old_one_aside(tmp_path):
+    """A run from step 0 into a finished run's directory (checkpoint.resume=false, a throwaway
+    checkpoint.enabled=false rerun) is refused and changes nothing; a checkpoint renamed to another step is
+    refused, not restored and relabelled; run.overwrite=true moves the old run aside, whole."""
+    out = tmp_path / "run"
+    args = [*TINY, f"run.output_dir={out}", "checkpoint.every_steps=2", "train.steps=6"]
+    assert run_cli(["train.py", *args]).returncode == 0
+    before = snapshot(out)
+    for extra, why in ((["checkpoint.resume=false"], "checkpoint.resume=false would write over it"),
+                       (["checkpoint.enabled=false", "train.steps=3"], "checkpoint.enabled=false would write over it")):
+        line = one_error_line(run_cli(["train.py", *args, *extra]))
+        assert "holds another run (checkpoints of step(s) 2, 4, 6 and the summary.json of a finished run)" in line
+        assert why in line and "run.overwrite=true" in line and "delete" not in line, line
+        assert snapshot(out) == before
+    checkpoints = out / "checkpoints"
+    os.rename(checkpoints / "6", checkpoints / "8")
+    renamed = snapshot(out)
+    line = one_error_line(run_cli(["train.py", *args, "train.steps=10"]))
+    assert line == f"error: checkpoint {checkpoints}/8 holds step 6 but its directory is named 8 (renamed or copied " \
+        f"by hand?); nothing was restored: rename it back to {checkpoints}/6, or move it out of {checkpoints}"
+    assert snapshot(out) == renamed
+    os.rename(checkpoints / "8", checkpoints / "6")
+    moved = run_cli(["train.py", *args, "checkpoint.resume=false", "run.overwrite=true"])
+    assert moved.returncode == 0, moved.stderr[-2000:]
+    [stamp] = os.listdir(out / "replaced")
+    assert f"moved the earlier run (checkpoints of step(s) 2, 4, 6 and the summary.json of a finished run) into " \
+        f"{out / 'replaced' / stamp}" in moved.stdout
+    assert snapshot(out / "replaced" / stamp) == before  # the old run, whole
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 6 and (out / "summary.json").is_file()
+
+
 def test_a_second_run_into_a_running_directory_is_refused_and_a_dead_ones_lock_is_not(tmp_path):
     out = tmp_path / "run"
     args = [*TINY, f"run.output_dir={out}", "checkpoint.every_steps=0"]

@@ -14,6 +14,9 @@ SCHEMA = {
     "run": {
         "output_dir": ("runs/default", "directory for config.json, metrics.jsonl, TensorBoard events, summary.json"),
         "seed": (0, "seed for parameter initialisation and data order"),
+        "overwrite": (False, "let a new run (from step 0: checkpoint.resume=false, checkpoint.enabled=false, or "
+                             "nothing to resume) start in a run.output_dir that holds another run: that run's files "
+                             "are first moved into run.output_dir/replaced/<time>/, never deleted"),
         "dry_run": (False, "validate, build the model abstractly, report sizes, exit without compiling"),
         "log_every": (10, "print a progress line every N steps (metrics files get every step)"),
     },

@@ -90,6 +90,8 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
     except integrity.Damaged as e:
         raise removed_by_its_run(step_dir) or ConfigError(f"checkpoint {step_dir} is damaged ({e}); export another "
                                                          "step") from None
+    except integrity.Renamed as e:
+        raise ConfigError(e.line(step_dir)) from None
     except integrity.Mismatch as e:
         raise ConfigError(f"checkpoint {step_dir} does not hold the model its run's config.json describes ({e})") from None
     if unverified:

@@ -51,7 +51,8 @@ def _weights_restore_args(setup):
 
 
 def _verify(step_dir, structure, partial=False):
-    """integrity.verify on this process (raises Damaged / Mismatch); an unverifiable checkpoint is a warning."""
+    """integrity.verify on this process (raises Renamed / Damaged / Mismatch); an unverifiable checkpoint is a
+    warning."""
     unverified = integrity.verify(step_dir, structure, jax.process_index(), jax.process_count(), partial)
     if unverified:
         _warn(f"checkpoint {step_dir} is restored unverified: {unverified}")
@@ -221,6 +222,8 @@ class Checkpointer:
                 return restored.state, dict(restored.meta)
             except integrity.Mismatch as e:  # intact, but another model or optimizer: not a reason to fall back
                 raise ConfigError(_mismatch(path, e, self.cfg.run.output_dir)) from None
+            except integrity.Renamed as e:  # another step's state: resuming it would mislabel the run
+                raise ConfigError(e.line(path)) from None
             except Exception as e:  # damaged or unreadable: say which, and what to do
                 text = _first_line(e, 200)
                 reason = text if isinstance(e, integrity.Damaged) else f"{type(e).__name__}: {text}"
@@ -257,6 +260,8 @@ def load_params(path, setup):
                               f"model's ({e}); it must come from a run of the same model") from None
         except integrity.Damaged as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: step {step} is corrupted ({e})") from None
+        except integrity.Renamed as e:
+            raise ConfigError(f"checkpoint.load_params_from={path}: {e.line(step_dir)}") from None
         except Exception as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: cannot restore the parameters of step {step} "
                               f"({type(e).__name__}); it must come from a run of the same model") from None

@@ -24,6 +24,21 @@ class Damaged(Exception):
     """A file is missing, has another size, or another digest than when it was saved."""
 
 
+class Renamed(Exception):
+    """The checkpoint holds another step than its directory's name says (renamed or copied by hand)."""
+
+    def __init__(self, step):
+        super().__init__(f"holds step {step}")
+        self.step = step
+
+    def line(self, step_dir):
+        """The one line for it: what it holds and how to put it right (nothing is deleted)."""
+        parent = os.path.dirname(os.path.normpath(step_dir))
+        return (f"checkpoint {step_dir} {self} but its directory is named {_step_of(step_dir)} (renamed or copied "
+                f"by hand?); nothing was restored: rename it back to {os.path.join(parent, str(self.step))}, or "
+                f"move it out of {parent}")
+
+
 class Mismatch(Exception):
     """The checkpoint is intact but holds another structure than the configured train state. `params_match`:
     whether its parameters are still the configured ones (then only the optimizer state changed); None when
@@ -66,10 +81,16 @@ def seal(step_dir, process_index, process_count, state_structure):
     record = {"process": process_index, "processes": process_count, "files": files}
     if process_index == 0:
         record["structure"] = state_structure
+        record["step"] = _step_of(step_dir)
     path = os.path.join(step_dir, f"{_PREFIX}{process_index}{_SUFFIX}")
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)
+
+
+def _step_of(step_dir):
+    """The step a step directory's name says (checkpoints/<step>)."""
+    return int(os.path.basename(os.path.normpath(step_dir)))
 
 
 def _manifests(step_dir):
@@ -108,13 +129,16 @@ def _compare(saved, configured, partial=False):
 
 def _check_local(step_dir, configured, process_index, process_count, partial):
     """(code, text, params_match) for the manifests this process checks: code 0 fine, 1 unverifiable, 2 damaged,
-    3 mismatch."""
+    3 mismatch, 4 renamed."""
     try:
         manifests = _manifests(step_dir)
     except (OSError, ValueError, KeyError) as e:
         return 2, f"its integrity manifest is unreadable ({type(e).__name__})", None
     if 0 not in manifests:
         return 1, "it has no integrity manifest (saved by an older MaxOffload, or the run ended before writing it)", None
+    step = manifests[0].get("step")  # recorded since 2026-12-03
+    if step is not None and step != _step_of(step_dir):
+        return 4, step, None
     saved = manifests[0].get("structure", {})
     what = _compare(saved, configured, partial)
     if what:
@@ -138,7 +162,7 @@ def _check_local(step_dir, configured, process_index, process_count, partial):
 
 
 def verify(step_dir, configured, process_index, process_count, partial=False):
-    """Returns a warning text (unverifiable) or None; raises Damaged or Mismatch, the same on every process.
+    """Returns a warning text (unverifiable) or None; raises Renamed, Damaged or Mismatch, the same on every process.
     `partial`: `configured` is the part of the saved structure that is to be restored (see _compare)."""
     code, text, params_match = _check_local(step_dir, configured, process_index, process_count, partial)
     if process_count > 1:
@@ -147,8 +171,10 @@ def verify(step_dir, configured, process_index, process_count, partial=False):
         codes = np.asarray(multihost_utils.process_allgather(np.int32(code)))
         worst = int(codes.max())
         if worst != code:
-            found = "damaged" if worst == 2 else "different"
+            found = {2: "damaged", 3: "different", 4: "renamed"}[worst]
             code, text, params_match = worst, f"process {int(np.argmax(codes))} found it {found}", None
+    if code == 4:
+        raise Renamed(text)
     if code == 2:
         raise Damaged(text)
     if code == 3:

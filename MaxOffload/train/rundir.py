@@ -7,6 +7,10 @@
 - **config.json** is written once the lock is held and the checkpoint to resume from is known (never by a
   rerun that has nothing to train); when it already holds another config, the keys that differ are printed
   first.
+- **One run per directory.** A run that starts from step 0 (checkpoint.resume=false, checkpoint.enabled=false,
+  or nothing to resume) in a directory that holds another run (its checkpoints, or the summary.json of a run
+  that finished) is refused in one line before anything is written; `run.overwrite=true` moves that run's
+  files into OUTPUT/replaced/<time>/ first (nothing is deleted). A resumed run continues its own files.
 - **Dry runs** write only their own file, OUTPUT/dry_run.json (the config and the summary), and take no lock:
   a training run's config.json, summary.json and metrics are never touched.
 """
@@ -53,6 +57,38 @@ class Lock:
         if not self.file.closed:
             fcntl.flock(self.file, fcntl.LOCK_UN)
             self.file.close()
+
+
+REPLACED = "replaced"  # run.overwrite=true moves an earlier run's files into OUTPUT/replaced/<time>/
+KEPT = (LOCK, REPLACED)  # what a move aside leaves in place
+
+
+def checkpoint_steps(output_dir):
+    """The steps of the checkpoints in OUTPUT/checkpoints (the names Orbax gives finished saves)."""
+    directory = os.path.join(output_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+
+
+def another_run(output_dir):
+    """What in OUTPUT shows an earlier run a new one would overwrite ('' when nothing does): its checkpoints
+    and the summary.json of a finished run."""
+    steps = checkpoint_steps(output_dir)
+    held = [f"checkpoints of step(s) {', '.join(map(str, steps))}"] if steps else []
+    if os.path.isfile(os.path.join(output_dir, "summary.json")):
+        held.append("the summary.json of a finished run")
+    return " and ".join(held)
+
+
+def move_aside(output_dir):
+    """Moves every file of OUTPUT but its lock (and earlier moves) into OUTPUT/replaced/<time>/; returns it."""
+    target = os.path.join(output_dir, REPLACED, time.strftime("%Y%m%d-%H%M%S"))
+    while os.path.exists(target):
+        target += "+"
+    os.makedirs(target)
+    for name in os.listdir(output_dir):
+        if name not in KEPT:
+            os.rename(os.path.join(output_dir, name), os.path.join(target, name))
+    return target
 
 
 def _flat(tree, prefix=""):

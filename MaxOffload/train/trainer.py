@@ -226,6 +226,29 @@ class Training:
                               f"(checkpoint.load_params_from={out} starts it from these weights)")
         self.say(f"nothing to train: the checkpoint is already at step {start} of train.steps={steps}; nothing changed")
 
+    def one_run_per_directory(self):
+        """A run that will start from step 0 where another run's checkpoints or finished summary are: refused in
+        one line, or (run.overwrite=true) that run moved aside first (train/rundir.py)."""
+        cfg, out = self.cfg, self.cfg.run.output_dir
+        checkpoints = cfg.checkpoint
+        if checkpoints.enabled and checkpoints.resume and rundir.checkpoint_steps(out):
+            return  # resumes its own run
+        held = rundir.another_run(out)
+        if not held:
+            return
+        if not cfg.run.overwrite:
+            why = ("checkpoint.resume=false" if checkpoints.enabled and not checkpoints.resume else
+                   "checkpoint.enabled=false" if not checkpoints.enabled else "this run, starting from step 0,")
+            raise ConfigError(f"run.output_dir={out} holds another run ({held}) and {why} would write over it; "
+                              "nothing changed: give this run its own run.output_dir, or set run.overwrite=true to "
+                              f"move that run into {os.path.join(out, rundir.REPLACED)}/ first")
+        if self.lead:
+            self.say(f"run.overwrite=true: moved the earlier run ({held}) into {rundir.move_aside(out)}")
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("run directory moved aside")
+
     @contextlib.contextmanager
     def catching_signals(self):
         """SIGTERM/SIGUSR1 are noted (the preemption hook saves and exits) and the old handlers restored after."""
@@ -251,6 +274,7 @@ class Training:
         cfg, setup = self.cfg, self.setup
         with contextlib.ExitStack() as stack:  # every exit releases Orbax's threads, signals, logs and profiler
             stack.enter_context(self.catching_signals())
+            self.one_run_per_directory()
             checkpointer = Checkpointer(cfg, setup)
             stack.callback(checkpointer.close)
             state, start = self.initial_state(checkpointer)

@@ -42,7 +42,7 @@ def profile_window(steps):
 def run_variant(name, argv, args):
     out = os.path.join(args.output_dir, name.replace("+", "_"))
     cmd = [sys.executable, "train.py", *argv, *profile_window(args.steps), f"train.steps={args.steps}",
-           f"run.output_dir={out}", "checkpoint.resume=false"]
+           f"run.output_dir={out}", "checkpoint.resume=false", "run.overwrite=true"]
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, "log.txt")
     started = time.perf_counter()
