@@ -7,7 +7,8 @@ Counted, per device and step:
   - while loops: their body x the trip count (hlo.Module.trip_count: proved by XLA, or read off the loop's
     induction variable and its condition); a loop without one is counted
     once and listed in `unknown_trip_counts`;
-  - cuBLAS GEMM custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`), from their dot dimension numbers;
+  - cuBLAS GEMM custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`), from their dot dimension numbers,
+    and cuDNN's MXFP8 block-scaled dot (`__cudnn$blockScaledDot`: [B, M, K] x [B, N, K]);
   - tokamax kernels: from the shapes in tokamax's JSON of the op and its arguments (in the op name or
     metadata_payload; KERNEL_FLOPS), or else from the Triton kernel's name and operand shapes (TRITON_KERNELS):
     a grouped GEMM's over its whole buffer (an upper bound where it skips the rows past its groups), flash
@@ -20,6 +21,9 @@ projections, MLP, router, routed experts, unembedding; "other" when none), and t
 when JAX marked it `rematted_computation` (the forward redone in the backward pass) or when XLA's own HLO
 rematerialization cloned it to save memory (an instruction named `*.remat*`, which keeps the original op
 name), else forward/backward.
+FP8 GEMMs (cuBLASLt's `$f8` matmul, cuDNN's block-scaled dot) are marked as such: with `quantized` parts (quant.mode),
+the report's `fp8` says how many of those parts' GEMMs (forward, backward, recomputed) became FP8 kernels and
+names the rest, apart from the routed experts' tokamax grouped GEMM, BF16 by design (it has no FP8 backward).
 A `dot` whose op name says `ragged_dot` is XLA's dense rewrite of a grouped matmul (its lhs expanded over
 the experts): it is listed in `dense_ragged_dots`, a WARNING on its own.
 """
@@ -33,6 +37,8 @@ from MaxOffload.hlo import dims
 from MaxOffload.models import components
 
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+BLOCK_SCALED = "__cudnn$blockScaledDot"  # MXFP8: its operands [B, M, K], [B, N, K] (+ their scales)
+FP8_KINDS = ("cublas-fp8", "cudnn-mxfp8")
 KERNEL_HINTS = ("triton", "cudnn", "mosaic", "pallas", "cublas", "__gpu$")
 # A part may take this much more than its expected FLOPs (plus what it recomputes) before a WARNING.
 TOLERANCE = 1.15
@@ -139,8 +145,13 @@ def kernel_flops(op_name):
 class Matmul:
     flops: float  # per execution x how many times its enclosing loops run it
     op_name: str
-    kind: str  # "dot" | "cublas" | a tokamax kernel's op class
+    kind: str  # "dot" | "cublas" | "cublas-fp8" | "cudnn-mxfp8" | a tokamax kernel's op class
     cloned: bool = False  # inside an instruction XLA's rematerialization cloned (*.remat*)
+    times: int = 1  # executions per step
+
+    @property
+    def fp8(self):
+        return self.kind in FP8_KINDS
 
     @property
     def component(self):
@@ -199,7 +210,9 @@ class Counter:
             if target.startswith(GEMM_TARGETS):
                 axes = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
                 axes = [int(a.strip('" ')) for a in axes.group(1).split(",") if a.strip('" ')] if axes else []
-                return [_matmul(ins, shapes, "cublas", axes, times, here)]
+                return [_matmul(ins, shapes, "cublas-fp8" if target.endswith("$f8") else "cublas", axes, times, here)]
+            if target == BLOCK_SCALED:
+                return [_matmul(ins, shapes, "cudnn-mxfp8", [2], times, here)]
             kernel = kernel_flops(ins.payload) or kernel_flops(ins.op_name) or triton_flops(ins)
             if kernel:
                 out.counted_kernels[kernel[0]] = out.counted_kernels.get(kernel[0], 0) + times
@@ -225,7 +238,7 @@ class Counter:
 def _matmul(ins, shapes, kind, contracting, times, cloned):
     lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
     flops = 2 * math.prod(dims(ins.shape)) * math.prod(lhs[d] for d in contracting if d < len(lhs))
-    return Matmul(flops * times, ins.op_name, kind, cloned)
+    return Matmul(flops * times, ins.op_name, kind, cloned, times)
 
 
 def count(text):
@@ -237,11 +250,25 @@ def count(text):
     return counter.out
 
 
-def audit(text, model_flops, multiples=None):
+def fp8_share(matmuls, quantized):
+    """{"asked", "fp8", "asked_flops", "fp8_flops", "not_fp8": [(component, kind, op name), ...],
+    "bf16_by_design": executions}: the GEMM executions of the `quantized` parts, how many ran as FP8 kernels,
+    and the others (the routed experts' tokamax grouped GEMM counted apart: BF16 by design)."""
+    parts = [m for m in matmuls if m.component in quantized]
+    by_design = [m for m in parts if "RaggedDot" in m.kind]
+    asked = [m for m in parts if "RaggedDot" not in m.kind]
+    fp8 = [m for m in asked if m.fp8]
+    missed = list(dict.fromkeys((m.component, m.kind, m.op_name) for m in asked if not m.fp8))
+    return {"asked": sum(m.times for m in asked), "fp8": sum(m.times for m in fp8),
+            "asked_flops": sum(m.flops for m in asked), "fp8_flops": sum(m.flops for m in fp8),
+            "not_fp8": [list(k) for k in missed], "bf16_by_design": sum(m.times for m in by_design)}
+
+
+def audit(text, model_flops, multiples=None, quantized=()):
     """The audit report (a dict) of a compiled module's text against {component: model FLOPs per device}
     (train/flops.by_component divided by the devices; None: totals only); `multiples` {component: x}: what
     the model's own configuration makes a part take by construction (on top of EXPECTED), e.g. a capacity
-    factor's padded expert rows."""
+    factor's padded expert rows; `quantized`: the parts quant.mode runs in FP8 (the report's `fp8`)."""
     expected_of = {**EXPECTED, **(multiples or {})}
     c = count(text)
     parts = {}
@@ -269,7 +296,8 @@ def audit(text, model_flops, multiples=None):
             "recompute_flops": sum(e["recompute_flops"] for e in parts.values()),
             "components": parts, "unreadable_kernels": c.kernels, "counted_kernels": c.counted_kernels,
             "unknown_trip_counts": c.unknown_trip_counts,
-            "dense_ragged_dots": len(c.dense_ragged_dots), "warnings": warnings}
+            "dense_ragged_dots": len(c.dense_ragged_dots), "warnings": warnings,
+            **({"fp8": fp8_share(c.matmuls, quantized)} if quantized else {})}
 
 
 def model_flops_per_device(setup):
@@ -302,7 +330,9 @@ def work_multiples(setup):
 def of_compiled(compiled, setup):
     """The audit of a TrainSetup's compiled step (a jax Compiled, or its parsed hlo.Module)."""
     module = compiled if isinstance(compiled, hlo.Module) else hlo.parse(compiled.as_text())
-    return audit(module, model_flops_per_device(setup), work_multiples(setup))
+    numerics = setup.numerics
+    return audit(module, model_flops_per_device(setup), work_multiples(setup),
+                 numerics.parts if numerics.mode != "bf16" else ())
 
 
 def _pflop(n):
@@ -326,5 +356,12 @@ def format_audit(report):
     if report["unreadable_kernels"]:
         lines.append("  kernels whose FLOPs the HLO does not show: " + ", ".join(
             f"{k} x{v}" for k, v in sorted(report["unreadable_kernels"].items())))
+    share = report.get("fp8")
+    if share:
+        by_design = f"; the routed experts' grouped GEMM x{share['bf16_by_design']} in BF16 by design (no FP8 " \
+            "backward for it yet)" if share["bf16_by_design"] else ""
+        lines.append(f"FP8 GEMMs: {share['fp8']} of {share['asked']} asked ({_pflop(share['fp8_flops'])} of "
+                     f"{_pflop(share['asked_flops'])}){by_design}")
+        lines += [f"  not FP8: {component} {kind} ({op_name})" for component, kind, op_name in share["not_fp8"][:8]]
     lines += [f"WARNING: compiled work: {w}" for w in report["warnings"]]
     return lines

@@ -47,7 +47,14 @@ def model(cfg, plan=None, rngs=None):
 
     config = kernels.for_platform(models.model_config(cfg.model), kernels.platform(jax.devices()[0]))
     return models.build(config, plan if plan is not None else static_plan(cfg),
-                        rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed))
+                        rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed), numerics=numerics(cfg))
+
+
+def numerics(cfg):
+    """The weight matmuls' numerics (models/matmul.Numerics): the compute dtype, quant.mode and its parts."""
+    from MaxOffload.models import matmul
+
+    return matmul.Numerics(cfg.model.compute_dtype, cfg.quant.mode, tuple(cfg.quant.parts))
 
 
 def micro_batches(cfg, device_count):
@@ -79,5 +86,5 @@ def train_setup(cfg, devices=None, plan=None):
                            schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
                            per_device_batch=cfg.train.per_device_batch_size,
                            micro_batches=micro_batches(cfg, device_mesh.size),
-                           gather_weights=cfg.train.gather_weights, seed=cfg.run.seed,
+                           gather_weights=cfg.train.gather_weights, numerics=numerics(cfg), seed=cfg.run.seed,
                            on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite])

@@ -70,9 +70,22 @@ def lookup(device_kind):
     return None
 
 
+CUDA_RUNTIME, CUDNN = (13, 0), (9, 13)  # what the deviceless compile assumes the GPU machines run
+
+
 def xla_target_config(a):
-    """The GpuTargetConfigProto (text format) for a deviceless compile on accelerator `a`."""
+    """The GpuTargetConfigProto (text format) for a deviceless compile on accelerator `a`. It names a CUDA runtime
+    and a cuDNN version because XLA's FP8 rewrites look at them: without a runtime version the per-tensor FP8
+    dot stays a dequantize + BF16 GEMM (no cuBLASLt FP8), and below cuDNN 9.10 the MXFP8 block-scaled dot
+    decomposes too. jax < 0.11 reads the cuDNN version from the top-level `dnn_version_info`, newer jax from
+    `gpu_device_info.dnn_version`."""
+    import jax
+
     major, minor = a.compute_capability
+    dnn_major, dnn_minor = CUDNN
+    new_jax = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
+    dnn = "" if new_jax else f"dnn_version_info {{ major: {dnn_major} minor: {dnn_minor} }}\n"
+    device_dnn = f'  dnn_version: "{dnn_major}.{dnn_minor}.0"\n' if new_jax else ""
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -92,8 +105,8 @@ def xla_target_config(a):
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
-}}
+{device_dnn}}}
 platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 8 }}
-device_description_str: "{a.name}"
+runtime_version {{ major: {CUDA_RUNTIME[0]} minor: {CUDA_RUNTIME[1]} }}
+{dnn}device_description_str: "{a.name}"
 """

@@ -113,11 +113,19 @@ _ENUMS = {"default": "COLLECTIVE_PIPELINING_MODE_DEFAULT", "off": "COLLECTIVE_PI
           "on": "COLLECTIVE_PIPELINING_MODE_ON", "explicit": "COLLECTIVE_PIPELINING_MODE_EXPLICIT"}
 
 
-def compiler_options(preset):
+# what a weight-GEMM mode (quant.mode) needs of the compiler: per-tensor FP8 dots become cuBLASLt FP8 matmuls
+# only when Triton GEMMs are off (with them on, XLA dequantizes and runs BF16 Triton GEMMs, silently), and only
+# unmerged: XLA's dot merger joins GEMMs that share an operand (the query/key/value projections, the MLP's two
+# input projections) by concatenating their dequantized weights, each with its own scale, which no FP8 GEMM takes
+QUANT_FLAGS = {"bf16": (), "fp8": ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger_threshold_mb=0"),
+               "mxfp8": ()}
+
+
+def compiler_options(preset, quant_mode="bf16"):
     """{option: value} for jax's `.compile(compiler_options=...)`: the preset's features (baseline: none, XLA's
-    defaults)."""
+    defaults) and what `quant_mode` needs (QUANT_FLAGS)."""
     options = {}
-    for flag in preset_flags(preset):
+    for flag in [*preset_flags(preset), *QUANT_FLAGS[quant_mode]]:
         name, _, value = flag[2:].partition("=")
         options[name] = {"true": True, "false": False}.get(value, _ENUMS.get(value, value))
     return options

@@ -92,6 +92,15 @@ SCHEMA = {
         "initialization_timeout_s": (300, "give up (with a message) if the processes have not met by then"),
         "heartbeat_timeout_s": (100, "a peer silent this long is dead: the job ends with a message, no hang"),
     },
+    "quant": {
+        "mode": ("bf16", "weight GEMMs: bf16 | fp8 (per-tensor current scaling: e4m3 operands, e5m2 gradients; "
+                         "cuBLASLt FP8 on Hopper and Blackwell) | mxfp8 (blocks of 32 with e8m0 scales; cuDNN on "
+                         "Blackwell, jax >= 0.11)"),
+        "parts": (["projections", "mlp", "routed_experts"], "the model parts whose GEMMs quant.mode quantizes "
+                                                            "(projections | mlp | routed_experts; the embedding, "
+                                                            "output head, router, norms and attention scores "
+                                                            "stay bf16)"),
+    },
     "xla": {
         "preset": ("baseline", "XLA scheduling preset for GPU runs: baseline | lhs (latency hiding scheduler) | "
                                "lhs_pipelined (+ collective pipelining, loop double buffering) | "

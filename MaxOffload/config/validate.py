@@ -86,6 +86,29 @@ def _validate_remat(cfg):
     segments.layer_segments(remat, models.layer_groups(cfg.model))  # ranges: in bounds, disjoint
 
 
+QUANT_MODES, QUANT_PARTS = ("bf16", "fp8", "mxfp8"), ("projections", "mlp", "routed_experts")
+
+
+def _validate_quant(cfg):
+    quant = cfg.quant
+    _choice("quant.mode", quant.mode, QUANT_MODES)
+    for part in quant.parts:
+        _choice("quant.parts", part, QUANT_PARTS)
+    if quant.mode != "mxfp8":
+        return
+    import jax
+
+    _require(tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11),
+             f"quant.mode=mxfp8 needs jax >= 0.11 (its block-scaled dot has no CPU or differentiable lowering in "
+             f"jax {jax.__version__}): pip install -U jax jaxlib on Python 3.12, or use quant.mode=fp8")
+    from MaxOffload import hardware
+
+    target = hardware.ACCELERATORS[cfg.aot.target]
+    _require(target.compute_capability >= (10, 0),
+             f"quant.mode=mxfp8 needs Blackwell's block-scaled tensor cores; aot.target={cfg.aot.target} "
+             f"({target.name}) runs it as dequantize + BF16: use quant.mode=fp8 there")
+
+
 def validate(cfg):
     from MaxOffload import models  # the families say which names they tag
     from MaxOffload.data import tokenizer
@@ -135,6 +158,7 @@ def validate(cfg):
         for mesh_axis in mesh_axes:
             _require(mesh_axis in MESH_AXES, f"mesh.rules.{axis}: {mesh_axis!r} is not a mesh axis "
                                              f"({', '.join(MESH_AXES)}){suggest(str(mesh_axis), MESH_AXES)}")
+    _validate_quant(cfg)
     from MaxOffload.models.exchange import EXCHANGES
 
     _choice("mesh.exchange", cfg.mesh.exchange, tuple(EXCHANGES))

@@ -2,8 +2,12 @@
 output head (`dense`) and the routed experts' grouped GEMM (`grouped`). Each call names its model part
 (models/components), so a numerics policy can treat parts differently; FP8 and MXFP8 plug in here.
 
-`Numerics` is that policy. Today's (`bf16`): the weight cast to the compute dtype, the router in float32, the output
-head accumulated and returned in float32. Every call runs under jax.named_scope(SCOPE), so a test finds every weight
+`Numerics` is that policy. `bf16`: the weight cast to the compute dtype, the router in float32, the output head
+accumulated and returned in float32. `fp8` / `mxfp8` (quant.mode): the GEMMs of the parts it names (by default
+the attention projections, the MLPs and shared experts, the routed experts) through models/fp8.py; the embedding,
+output head, router, norms and attention scores stay as in bf16 (as DeepSeek-V3 trained). The routed experts'
+dropless grouped GEMM (tokamax ragged_dot) stays BF16: no FP8 grouped GEMM with a backward exists for it yet;
+their capacity-mode batched GEMM is quantized. Every call runs under jax.named_scope(SCOPE), so a test finds every weight
 matmul of a traced step (tests/test_moe_parts.py walks the jaxpr for a dot_general outside it).
 """
 import dataclasses
@@ -11,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from MaxOffload.models import components, kernels
+from MaxOffload.models import components, fp8, kernels
 
 SCOPE = "weight_matmul"
 # The only matmuls outside SCOPE contract two activations: attention's scores and values, and the routed experts'
@@ -22,9 +26,15 @@ ACTIVATION_SCOPES = (components.ATTENTION_SCORES, COMBINE_SCOPE)
 
 @dataclasses.dataclass(frozen=True)
 class Numerics:
-    """How weight matmuls compute: `mode` (bf16) and the compute dtype activations and weights meet in."""
+    """How weight matmuls compute: the compute dtype activations and weights meet in, `mode` (bf16 | fp8 | mxfp8)
+    and the model parts (models/components) whose GEMMs the FP8 modes quantize."""
     compute_dtype: str = "bfloat16"
     mode: str = "bf16"
+    parts: tuple = (components.PROJECTIONS, components.MLP, components.EXPERTS)
+
+    def quantized(self, part):
+        """Whether the GEMMs of `part` run in FP8."""
+        return self.mode != "bf16" and part in self.parts
 
     def operand_dtype(self, part):
         """The dtype both operands are cast to for a matmul of `part` (the router decides in float32)."""
@@ -40,6 +50,11 @@ def dense(x, w, spec, part, numerics):
     x @ w (the last axis of x against the first of w)."""
     dtype = numerics.operand_dtype(part)
     with jax.named_scope(SCOPE):
+        if numerics.quantized(part):
+            if spec is None:
+                free = "abcdefghij"[:x.ndim - 1]
+                spec = f"{free}k,kn->{free}n"
+            return fp8.EINSUMS[numerics.mode](spec, x.astype(dtype), w.astype(dtype))
         x = x if part != components.ROUTER else x.astype(dtype)
         if spec is None:
             return jnp.matmul(x, w.astype(dtype), preferred_element_type=numerics.accumulate(part))
@@ -54,6 +69,10 @@ def grouped(rows, w, sizes, capacity, kernel, numerics):
     with jax.named_scope(SCOPE):
         if capacity:
             experts = w.shape[0]
-            out = jnp.einsum("egk,ekn->egn", rows.reshape(experts, -1, rows.shape[-1]), w)
+            groups = rows.reshape(experts, -1, rows.shape[-1])
+            if numerics.quantized(components.EXPERTS):
+                out = fp8.EINSUMS[numerics.mode]("egk,ekn->egn", groups.astype(w.dtype), w)
+            else:
+                out = jnp.einsum("egk,ekn->egn", groups, w)
             return out.reshape(-1, w.shape[-1])
         return kernels.ragged_dot(rows, w, sizes, kernel)

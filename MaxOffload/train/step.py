@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models, xla
-from MaxOffload.models import kernels
+from MaxOffload.models import kernels, matmul
 from MaxOffload.models.stack import masked_cross_entropy, to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
@@ -71,22 +71,26 @@ class TrainSetup:
     """
 
     def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
-                 micro_batches=1, gather_weights=PER_MICRO_BATCH, on_nonfinite=skip_nonfinite):
+                 micro_batches=1, gather_weights=PER_MICRO_BATCH, numerics=None, on_nonfinite=skip_nonfinite):
         """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
         plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
         tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
         (gradient accumulation; a step's batch is then [micro_batches, rows, seq_len]); gather_weights: with
         several micro-batches, PER_MICRO_BATCH (the fsdp-sharded weights are all-gathered inside each micro-batch's
-        passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); on_nonfinite:
+        passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); numerics: the
+        weight matmuls' models/matmul.Numerics (None: bf16 in the model's compute dtype); on_nonfinite:
         skip_nonfinite or halt_on_nonfinite. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
         self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
                           schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
-                          micro_batches=micro_batches, gather_weights=gather_weights, on_nonfinite=on_nonfinite)
+                          micro_batches=micro_batches, gather_weights=gather_weights, numerics=numerics,
+                          on_nonfinite=on_nonfinite)
         self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
         self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
         self.micro_batches, self.gather_weights = micro_batches, gather_weights
+        self.numerics = numerics or matmul.Numerics(model_config.compute_dtype)
         self.layout = ParallelLayout.of(mesh, rules, exchange)  # handed to the model, once
-        self.compiler_options = xla.compiler_options(plan.xla_preset)  # every compile of the step gets the preset
+        # every compile of the step gets the preset and what the weight GEMMs' mode needs
+        self.compiler_options = xla.compiler_options(plan.xla_preset, self.numerics.mode)
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
         self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
         abstract_model = nnx.eval_shape(self._model)
@@ -128,7 +132,7 @@ class TrainSetup:
         return TrainSetup(plan=plan, **self._args)
 
     def _model(self):
-        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.seed), self.layout)
+        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.seed), self.layout, self.numerics)
 
     def _init(self):
         weights = models.weights(self._model())

@@ -1,0 +1,94 @@
+"""FP8 weight matmuls: the two recipes of `quant.mode`, each an einsum of an activation and a weight.
+
+- `fp8`: per-tensor current scaling (stateless: each operand's scale is its own amax / the format's max). The
+  forward casts both operands to float8_e4m3fn, the backward the incoming gradient to float8_e5m2; every GEMM
+  is written as a dot of dequantized operands (`convert(q) * scale`), the pattern XLA's GEMM rewriter turns into
+  cuBLASLt's FP8 matmul (`__cublas$lt$matmul$f8`: the forward and both backward GEMMs) when the target has a
+  CUDA runtime version and Triton GEMMs are off (MaxOffload/hardware.py, MaxOffload/xla.py). The residuals the
+  backward keeps are the FP8 operands and their scales: half the bytes of BF16.
+- `mxfp8`: OCP microscaling (blocks of 32 along the contraction, e8m0 scales) through
+  `jax.nn.scaled_dot_general`, which cuDNN runs as `__cudnn$blockScaledDot` on Blackwell (cuDNN >= 9.10 in the
+  target) and its own VJP differentiates (jax >= 0.11: older jax has no CPU or differentiable lowering).
+
+On CPU the same casts run and XLA computes the dots of the cast values in higher precision, so the quantization
+error is real and tested here; which kernel a GPU runs is only visible in the GPU compile (MaxOffload/audit.py
+counts the FP8 ones).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from MaxOffload.errors import ConfigError
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+TINY = 1e-12  # an all-zero tensor's amax: its scale stays finite
+
+
+def quantize(x, dtype):
+    """(x / scale as `dtype`, scale): per-tensor current scaling, scale = amax(|x|) / dtype's max (float32)."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.maximum(amax, TINY) / float(jnp.finfo(dtype).max)
+    return (x.astype(jnp.float32) / scale).astype(dtype), scale
+
+
+def dequantize(q, scale, dtype):
+    return q.astype(dtype) * scale.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum_fp8(spec, x, w):
+    """einsum(spec, x, w) of operands of one dtype, both cast to float8_e4m3fn (per-tensor scales), the backward's
+    incoming gradient to float8_e5m2; the result and the gradients in that dtype."""
+    return _forward(spec, x, w)[0]
+
+
+def _forward(spec, x, w):
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    return jnp.einsum(spec, dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype)), (xq, sx, wq, sw)
+
+
+def _backward(spec, residuals, g):
+    xq, sx, wq, sw = residuals
+    gq, sg = quantize(g, E5M2)
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), dequantize(xq, sx, g.dtype), dequantize(wq, sw, g.dtype))
+    return vjp(dequantize(gq, sg, g.dtype))
+
+
+einsum_fp8.defvjp(_forward, _backward)
+
+
+def _dimension_numbers(spec):
+    """dot_general dimension numbers of a two-operand einsum spec without repeated or summed-away letters."""
+    inputs, out = spec.replace(" ", "").split("->")
+    a, b = inputs.split(",")
+    batch = [c for c in a if c in b and c in out]
+    contracting = [c for c in a if c in b and c not in out]
+    dims = ((tuple(a.index(c) for c in contracting), tuple(b.index(c) for c in contracting)),
+            (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+    # dot_general's result: batch, then lhs free, then rhs free axes
+    result = "".join(batch) + "".join(c for c in a if c not in b) + "".join(c for c in b if c not in a)
+    return dims, result, out
+
+
+def einsum_mxfp8(spec, x, w):
+    """einsum(spec, x, w) of operands of one dtype as an MXFP8 block-scaled dot (jax.nn.scaled_dot_general), the
+    result in that dtype."""
+    dims, result, out = _dimension_numbers(spec)
+    config = jax.nn.get_scaled_dot_general_config("mxfp8")
+    (x_contract, w_contract), (x_batch, w_batch) = dims
+    sizes = [math.prod(x.shape[i] for i in x_contract),  # what the forward contracts, then the two backward GEMMs
+             math.prod(n for i, n in enumerate(x.shape) if i not in (*x_contract, *x_batch)),
+             math.prod(n for i, n in enumerate(w.shape) if i not in (*w_contract, *w_batch))]
+    odd = [n for n in sizes if n % config.block_size]
+    if odd:
+        raise ConfigError(f"quant.mode=mxfp8 quantizes in blocks of {config.block_size}, and the GEMM {spec} of "
+                          f"shapes {list(x.shape)} x {list(w.shape)} contracts {odd[0]} elements in one of its "
+                          f"passes: make the model's dimensions and batch x seq_len multiples of "
+                          f"{config.block_size}, or use quant.mode=fp8")
+    y = jax.nn.scaled_dot_general(x, w, dims, preferred_element_type=x.dtype, configs=[config] * 3)
+    return jnp.einsum(f"{result}->{out}", y) if result != out else y
+
+
+EINSUMS = {"fp8": einsum_fp8, "mxfp8": einsum_mxfp8}
