@@ -6,10 +6,13 @@
   rewritten in place into its override, so when a key is given twice the last one on the command line wins,
   as for any repeated `key=value`.
 - A tool's own options (`--rounds 3`, `--no_confirm`) are declared by the tool; any other `--name` is an
-  error naming the options the tool takes.
+  error naming the options the tool takes. An option whose default is an int takes a whole number >= 1.
 - `@tool` on a tool's main (or `run(main)`) turns the errors of MaxOffload.errors into one line on stderr and their exit status.
+- A tool that keeps argparse builds `ArgumentParser`: its mistakes are ConfigErrors too (one line, exit 2).
 """
+import argparse
 import functools
+import math
 import signal
 import sys
 
@@ -22,8 +25,9 @@ TARGET_KEYS = tuple(KEY_OPTIONS)  # the tools that compile for a GPU target take
 def parse(argv, doc, keys=("--output_dir",), options=None, flags=()):
     """-> (argv for config.load, {option: value}, {flag: bool}).
 
-    keys: the KEY_OPTIONS this tool takes; options: {name: default} of its own valued options; flags: its own
-    boolean flags. Raises ConfigError for an unknown option or one without its value."""
+    keys: the KEY_OPTIONS this tool takes; options: {name: default} of its own valued options (an int default:
+    the value is a whole number >= 1, returned as int); flags: its own boolean flags. Raises ConfigError for an
+    unknown option, one without its value or a bad whole number."""
     options = dict(options or {})
     if any(a in ("-h", "--help") for a in argv):
         print(doc.strip())
@@ -53,7 +57,40 @@ def parse(argv, doc, keys=("--output_dir",), options=None, flags=()):
         else:
             rest.append(arg)
         i += 1
+    for name, default in options.items():
+        if isinstance(default, int) and not isinstance(default, bool):
+            values[name] = whole_number(name, values[name])
     return rest, values, {f: f in seen for f in flags}
+
+
+MAX_WHOLE = 2**31 - 1  # beyond any count a tool takes (as config/validate.py bounds the config's integers)
+
+
+def whole_number(name, text, minimum=1):
+    """`text` (an option's value) as an int in [minimum, MAX_WHOLE]; ConfigError naming `name` otherwise."""
+    try:
+        value = int(str(text).replace("_", ""))
+    except ValueError:
+        value = None
+    if value is None or not minimum <= value <= MAX_WHOLE:
+        raise ConfigError(f"{name} takes a whole number from {minimum} to {MAX_WHOLE:,}, got {text!r}")
+    return value
+
+
+def number(text):
+    """argparse `type=` for a finite number: nan and inf are mistakes."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools that keep it: a mistake is a ConfigError (one line naming `prog --help`, exit 2
+    through `tool`/`run`), never the usage block."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} ({self.prog} --help)")
 
 
 def tool(main):

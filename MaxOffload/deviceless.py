@@ -33,8 +33,13 @@ def require_plugin(context=""):
 
 
 def compile_only_devices(target, topology):
+    """The compile-only devices of `target` (a key of hardware.ACCELERATORS) in `topology` (SxHxG). Turns JAX's
+    persistent compilation cache off for this process: it cannot load an executable compiled for these devices
+    (each hit would be a warning, "PjRtCompiler must be constructed with a Client"), so its entries are waste."""
+    import jax
     from jax.experimental import topologies
 
+    jax.config.update("jax_enable_compilation_cache", False)
     from MaxOffload import hardware
 
     description = topologies.get_topology_desc(platform="cuda", topology_name=f"{target}:{topology}",

@@ -13,13 +13,10 @@ def start(argv, doc, config, tokens):
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()
-    from MaxOffload.config import ConfigError, load
+    from MaxOffload.config import load
     from MaxOffload.deviceless import compile_only_devices, require_plugin
 
-    try:
-        counts = [int(t) for t in options["--tokens"].split(",")]
-    except ValueError:
-        raise ConfigError(f"--tokens takes comma-separated integers, got {options['--tokens']!r}") from None
+    counts = [cli.whole_number("--tokens", t) for t in options["--tokens"].split(",")]
     cfg = load([config, *argv])
     require_plugin()
     return cfg, counts, compile_only_devices(cfg.aot.target, "1x1x1")

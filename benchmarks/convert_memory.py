@@ -116,21 +116,23 @@ def layer_bytes(cfg):
 
 @tool
 def main(argv):
-    from MaxOffload.config import load
     from MaxOffload.convert.__main__ import parse_size
+
+    argv, options, _ = parse(argv, __doc__, options={"--layers": 12, "--shard_size": "500MB"})  # before JAX
+    shard_size = parse_size(options["--shard_size"], "--shard_size")
+    from MaxOffload.config import load
     from MaxOffload.platform import use_cpu_runtime
     from MaxOffload.reports import gib
 
-    argv, options, _ = parse(argv, __doc__, options={"--layers": "12", "--shard_size": "500MB"})
     use_cpu_runtime()
     out = next((a.split("=", 1)[1] for a in argv if a.startswith("run.output_dir=")),
                os.path.join(ROOT, "benchmarks", "results", "convert_memory"))
-    overrides = [*SHAPE, f"model.num_layers={int(options['--layers'])}"]
+    overrides = [*SHAPE, f"model.num_layers={options['--layers']}"]
     cfg = load([CONFIG, *overrides])
     work = tempfile.mkdtemp(prefix="convert_memory.")
     try:
         hf_dir, weights, exported = (os.path.join(work, n) for n in ("hf", "weights", "exported"))
-        shards, hf_bytes = synthesize(cfg, hf_dir, parse_size(options["--shard_size"]))
+        shards, hf_bytes = synthesize(cfg, hf_dir, shard_size)
         largest_shard = max(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir)
                             if f.endswith(".safetensors"))
         layer, model = layer_bytes(cfg)

@@ -1,36 +1,40 @@
 """CPU MFU: the quickstart training step's model FLOP/s over this machine's matmul peak, measured
 side by side in one run (rounds alternate between the two, medians reported).
 
-    python benchmarks/cpu_efficiency.py [CONFIG.py] [overrides...] [--rounds N] [--matmul_size N]
+    python benchmarks/cpu_efficiency.py [CONFIG.py] [overrides...] [--rounds N] [--steps_per_round N]
+                                        [--matmul_size N]
+
+CONFIG defaults to configs/quickstart.py; --matmul_size is at most MAX_MATMUL (three N x N matrices in memory).
 """
-import argparse
 import os
 import statistics
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
+
+MAX_MATMUL = 16384
 
 
-def main():
+@tool
+def main(argv):
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload import cli
+
+    argv, options, _ = cli.parse(argv, __doc__, keys=(), options={"--rounds": 5, "--steps_per_round": 5,
+                                                                 "--matmul_size": 2048})
+    args = types.SimpleNamespace(**{name[2:]: value for name, value in options.items()})
+    if args.matmul_size > MAX_MATMUL:
+        raise cli.ConfigError(f"--matmul_size {args.matmul_size} is above {MAX_MATMUL} (three N x N matrices in "
+                              "memory); give a smaller size")
     from MaxOffload.platform import prefer_cpu_without_gpu
 
     prefer_cpu_without_gpu()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="?", default="configs/quickstart.py")
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps_per_round", type=int, default=5)
-    parser.add_argument("--matmul_size", type=int, default=2048)
-    args = parser.parse_args()
+    from MaxOffload.config import load
 
-    from MaxOffload.config import ConfigError, load
-
-    try:
-        cfg = load([args.config, *args.overrides])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load(argv if argv and "=" not in argv[0] else ["configs/quickstart.py", *argv])
 
     import jax
     import jax.numpy as jnp
@@ -87,4 +91,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

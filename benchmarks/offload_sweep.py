@@ -118,12 +118,13 @@ def variant_argv(argv, name):
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
     from MaxOffload import cli
+
+    argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS,
+                                 options={"--steps": 5, "--variants": ",".join(VARIANTS)})  # before JAX
     from MaxOffload.config import ConfigError, load
     from MaxOffload.platform import prefer_cpu_without_gpu
 
     prefer_cpu_without_gpu()  # this process only reads configs: no CUDA plugin traceback on a machine without a GPU
-    argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS,
-                                 options={"--steps": "5", "--variants": ",".join(VARIANTS)})
     cfg = load(argv)
     output_dir, target = cfg.run.output_dir, cfg.aot.target
     deviceless = any(a.startswith(("aot.target=", "--config.aot.target=")) for a in argv[1:])
@@ -131,9 +132,7 @@ def main(argv):
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ConfigError(f"--variants: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
-    if not options["--steps"].isdigit() or int(options["--steps"]) < 1:
-        raise ConfigError(f"--steps must be a positive whole number, got {options['--steps']!r}")
-    steps = int(options["--steps"])
+    steps = options["--steps"]
     rows = []
     plans = {name: variant_argv(argv, name) for name in names}
     env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if deviceless else {}))

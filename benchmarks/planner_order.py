@@ -28,10 +28,8 @@ def main(argv):
 def _main(argv):
     from MaxOffload import cli
 
-    argv, options, _ = cli.parse(argv, __doc__, options={"--rounds": "5", "--policies": "full,minimal,save_all,auto"})
+    argv, options, _ = cli.parse(argv, __doc__, options={"--rounds": 5, "--policies": "full,minimal,save_all,auto"})
     rounds, policies = options["--rounds"], options["--policies"]
-    if not rounds.isdigit() or int(rounds) < 1:
-        raise cli.ConfigError(f"--rounds must be a positive whole number, got {rounds!r}")
     from MaxOffload.platform import prefer_cpu_without_gpu
 
     prefer_cpu_without_gpu()
@@ -55,7 +53,7 @@ def _main(argv):
         runs[name] = {"setup": setup, "step": step, "state": state, "batch": batch, "times": [],
                       "predicted": planner.predict(cfg, offload_plan=plan).step_time()}
         print(f"{name}: compiled", flush=True)
-    for _ in range(int(rounds)):
+    for _ in range(rounds):
         for run in runs.values():
             started = time.perf_counter()
             run["state"], metrics = run["step"](run["state"], run["batch"])

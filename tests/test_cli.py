@@ -150,3 +150,68 @@ def test_offloading_on_a_gpu_with_an_affected_jaxlib_turns_the_parity_gate_on(ve
     calls.clear()
     assert train.main(argv + ["remat.policy=minimal", f"run.output_dir={tmp_path}/2"]) == 0  # nothing offloaded
     assert not calls and "openxla/xla#46231" not in capsys.readouterr().out
+
+
+# --- hostile arguments: one line and exit 2 from every tool, before any JAX work where the tool allows it
+
+def assert_one_line(result, *words):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "usage:" not in result.stderr.lower(), result.stderr[-3000:]
+    assert all(w in lines[0] for w in words), (words, lines[0])
+
+
+@pytest.mark.parametrize("tool", TOOLS, ids=[" ".join(t) for t in TOOLS])
+def test_every_tool_answers_a_bad_option_with_one_line(tool):
+    assert_one_line(run_cli([*tool, "--no_such_option"], timeout=120))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-m", "MaxOffload.profile.overlap"], ["give one trace directory, got 0"]),
+    (["-m", "MaxOffload.profile.overlap", "a", "b"], ["give one trace directory, got 2"]),
+    (["-m", "MaxOffload.convert"], ["no command given", "from-hf or to-hf"]),
+    (["-m", "MaxOffload.data.prepare", "x.txt", "--out", "o", "--eval_fraction", "nan"], ["--eval_fraction", "nan"]),
+    (["benchmarks/cpu_efficiency.py", "--rounds", "many"], ["--rounds takes a whole number", "'many'"]),
+    (["benchmarks/cpu_efficiency.py", "--matmul_size", "100000"], ["--matmul_size 100000 is above 16384"]),
+    (["benchmarks/planner_order.py", "--rounds", "0"], ["--rounds takes a whole number from 1"]),
+    (["benchmarks/offload_sweep.py", "--steps", "1e3"], ["--steps", "'1e3'"]),
+    (["benchmarks/convert_memory.py", "--shard_size", "inf"], ["--shard_size inf"]),
+    (["benchmarks/convert_memory.py", "--layers", "-2"], ["--layers", "'-2'"]),
+    (["benchmarks/attention.py", "--tokens", "8192,0"], ["--tokens", "'0'"]),
+    (["benchmarks/gpu/offload_check.py", "--steps", "1"], ["--steps 1", "at least 2"]),
+    (["benchmarks/gpu/offload_check.py", "--variants", "remat,ofload"], ["--variants", "'ofload'"]),
+])
+def test_bad_option_values_are_one_line(argv, words):
+    assert_one_line(run_cli(argv, timeout=120), *words)
+
+
+def test_an_empty_trace_is_one_line(tmp_path):
+    """A capture whose .xplane.pb holds nothing (the window saw no XLA program) is refused, not reported as 0 s."""
+    run = tmp_path / "plugins" / "profile" / "2026_01_01"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(b"")
+    assert_one_line(run_cli(["-m", "MaxOffload.profile.overlap", str(tmp_path)], timeout=120), "no device ops",
+                    str(tmp_path))
+    assert_one_line(run_cli(["-m", "MaxOffload.profile.overlap", str(tmp_path / "plugins" / "nothing")],
+                            timeout=120), "no .xplane.pb")
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-3", "1.5", "2147483648"])
+def test_whole_number_options_refuse_what_is_not_one(value):
+    with pytest.raises(ConfigError, match=r"--rounds takes a whole number from 1 to 2,147,483,647"):
+        cli.parse([f"--rounds={value}"], "doc", options={"--rounds": 5})
+
+
+def test_whole_number_options_are_ints_and_others_stay_text():
+    _, values, _ = cli.parse(["--rounds", "1_000", "--name", "7"], "doc", options={"--rounds": 5, "--name": "a"})
+    assert values == {"--rounds": 1000, "--name": "7"}
+    assert cli.parse([], "doc", options={"--rounds": 5})[1] == {"--rounds": 5}
+
+
+def test_the_shared_argument_parser_and_finite_numbers():
+    parser = cli.ArgumentParser(prog="python -m some.tool")
+    parser.add_argument("--fraction", type=cli.number)
+    assert parser.parse_args(["--fraction", "0.5"]).fraction == 0.5
+    for bad in (["--fraction", "inf"], ["--fraction", "nan"], ["--other"]):
+        with pytest.raises(ConfigError, match=r"\(python -m some.tool --help\)$"):
+            parser.parse_args(bad)

@@ -210,6 +210,37 @@ def _flat_schema(schema, prefix=""):
             yield prefix + key, spec
 
 
+def _number_keys():
+    """Every float and int key of the schema."""
+    cfg = defaults.get_config()
+    for key in defaults.flat_keys(cfg):
+        parent, _, leaf = key.rpartition(".")
+        kind = defaults.get_path(cfg, parent).get_type(leaf)
+        if kind in (float, int):
+            yield key, kind
+
+
+def test_every_number_key_refuses_nan_inf_and_huge_values():
+    """The general check (config/validate.py _check_numbers): each float key given nan, inf or -inf and each
+    integer key given 2**40 is a ConfigError naming that key, whatever its own checks."""
+    base = load([f"{LLAMA}:tiny", "run.dry_run=true"])
+    keys = list(_number_keys())
+    assert len([k for k, kind in keys if kind is float]) >= 25 and len(keys) >= 75
+    for key, kind in keys:
+        for value in ((float("nan"), float("inf"), -float("inf")) if kind is float else (2**40,)):
+            cfg = ml_collections.ConfigDict(base.to_dict())
+            parent, _, leaf = key.rpartition(".")
+            defaults.get_path(cfg, parent)[leaf] = value
+            with pytest.raises(ConfigError) as e:
+                validate(cfg)
+            assert str(e.value).startswith(f"{key}="), (key, value, str(e.value))
+
+
+def test_the_size_bounds_leave_the_largest_recipes_alone():
+    for spec in (f"{LLAMA}:405b", os.path.join(ROOT, "configs", "deepseek_v3.py:671b")):
+        load([spec])  # no ConfigError: 126 layers, 4e11 / 3.8e10 parameters per token are within the bounds
+
+
 def test_in_process_errors_are_config_errors():
     with pytest.raises(ConfigError, match="train.steps"):
         load([QUICKSTART, "train.stpes=3"])
@@ -228,6 +259,7 @@ def _error_cases(tmp):
     """id -> (argv after `train.py`, words the error line must contain)."""
     out = os.path.join(tmp, "out")
     dry = [TINY, "run.dry_run=true", f"run.output_dir={out}"]
+    deepseek = ["configs/deepseek_v3.py:tiny", "run.dry_run=true", f"run.output_dir={out}"]
     # a real (non-dry) run, as small as possible: data files are only read when the data is built
     real = [TINY, f"run.output_dir={out}", "train.steps=2", "train.warmup_steps=0", "train.seq_len=16",
             "train.per_device_batch_size=2", "train.eval_batches=1"]
@@ -296,6 +328,18 @@ def _error_cases(tmp):
         "config_unknown_size_arg": (["configs/llama3_1.py:huge", "run.dry_run=true"], ["huge", "405b"]),
         "config_sets_unknown_key": ([unknown_key], ["unknown_key.py", "emb_dimm"]),
         "aot_topology_zeros": (dry + ["aot.topology=0x0x0"], ["aot.topology='0x0x0'", "at least 1"]),
+        # nan / inf and huge integers: one line before any JAX work (they trained "fine" or ended in tracebacks)
+        "norm_eps_inf": (dry + ["model.norm_eps=inf"], ["model.norm_eps=inf", "finite"]),
+        "learning_rate_nan": (dry + ["train.learning_rate=nan"], ["train.learning_rate=nan", "finite"]),
+        "capacity_factor_inf": (deepseek + ["model.capacity_factor=inf"], ["model.capacity_factor=inf", "finite"]),
+        "moe_buffer_factor_inf": (deepseek + ["model.moe_buffer_factor=inf"],
+                                  ["model.moe_buffer_factor=inf", "finite"]),
+        "capacity_factor_past_every_token": (deepseek + ["model.capacity_factor=1e9"],
+                                             ["model.capacity_factor", "num_experts / num_experts_per_tok = 4"]),
+        "num_layers_huge": (dry + ["model.num_layers=1000000000000"], ["model.num_layers", "2,147,483,647"]),
+        "num_layers_too_many": (dry + ["model.num_layers=100000"], ["100,000 layers", "model.num_layers"]),
+        "head_dim_huge": (dry + ["model.head_dim=2147483646"], ["parameters per token", "model.emb_dim"]),
+        "seed_huge": (dry + ["run.seed=10000000000000000000000"], ["run.seed", "extra digit"]),
     }
 
 

@@ -538,3 +538,113 @@ def test_training_on_a_prepared_corpus(cli_runs):
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
     assert len(evals) == 1 and math.isfinite(evals[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile input: meta.json fields of the wrong type, corpus files that cannot be read, a full disk
+# --------------------------------------------------------------------------------------------
+
+def _one_line_error(code, capsys, *words):
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err[-2000:])
+    assert "Traceback" not in err and all(w in lines[0] for w in words), (words, lines[0])
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_tokens": "18"}, ["num_tokens (str '18')"]),
+    ({"vocab_size": 259.0}, ["vocab_size (float 259.0)"]),
+    ({"train_tokens": True}, ["train_tokens (bool True)"]),
+    ({"num_documents": None}, ["num_documents (NoneType None)"]),
+    ({"dtype": 2}, ["dtype (int 2)"]),
+    ({"tokenizer": "byte"}, ["tokenizer (str 'byte')"]),
+    ({"tokenizer": {"kind": "byte"}}, ["tokenizer.name"]),
+    ({"train_documents": "1"}, ["train_documents (str '1')"]),
+], ids=["num_tokens_str", "vocab_float", "train_tokens_bool", "documents_null", "dtype_int", "tokenizer_str",
+        "tokenizer_without_name", "train_documents_str"])
+def test_meta_fields_of_the_wrong_type_are_one_line(tmp_path, change, words):
+    """A prepared directory whose meta.json holds a field of the wrong JSON type: one ConfigError line naming
+    it (before, a string num_tokens passed int() and broke the memory map with a traceback)."""
+    from MaxOffload.errors import ConfigError
+
+    (tmp_path / "corpus.txt").write_text("one small document\n")
+    out = str(tmp_path / "data")
+    prepare.prepare([str(tmp_path / "corpus.txt")], out, progress_interval=0)
+    tokenized.read_meta(out)  # as written: fine
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    meta.update(change)
+    json.dump(meta, open(os.path.join(out, "meta.json"), "w"))
+    with pytest.raises(ConfigError) as e:
+        tokenized.read_meta(out)
+    line = str(e.value)
+    assert "\n" not in line and "meta.json" in line and "prepare the directory again" in line, line
+    assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("case, reason", [("link_loop", "Too many levels of symbolic links"),
+                                          ("dangling_link", "No such file or directory"),
+                                          ("unreadable", "Permission denied")])
+def test_a_corpus_file_that_cannot_be_read_is_one_line(tmp_path, capsys, case, reason):
+    """In a corpus directory or given itself: a symlink loop, a link to nothing and a file nobody may read (a
+    link to the write-only /proc/sys/vm/drop_caches: permission bits do not stop root, that file does) are
+    one line naming the file, before anything is written."""
+    corpus, out = tmp_path / "corpus", str(tmp_path / "out")
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("a document\n")
+    bad = corpus / "bad.txt"
+    if case == "link_loop":
+        os.symlink(corpus / "loop.txt", bad)
+        os.symlink(bad, corpus / "loop.txt")
+    else:
+        os.symlink(tmp_path / "gone.txt" if case == "dangling_link" else "/proc/sys/vm/drop_caches", bad)
+    for inputs in ([str(corpus)], [str(bad)]):
+        _one_line_error(prepare.main([*inputs, "--out", out]), capsys, f"cannot read input {bad}", reason)
+    assert not os.path.exists(out)
+
+
+def _file_size_limit(limit):
+    """Writes past `limit` bytes fail with EFBIG in this process (Python ignores SIGXFSZ)."""
+    import contextlib
+    import resource
+
+    @contextlib.contextmanager
+    def limited():
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return limited()
+
+
+def test_a_full_disk_during_prepare_is_one_line_and_keeps_the_old_dataset(tmp_path, capsys):
+    """Re-preparing onto a full disk: a 256 KiB tmpfs (a real ENOSPC) where this process may mount one, else a
+    file-size limit on this process (EFBIG: the same failing writes, as an unprivileged user). One line, exit 2,
+    the old dataset byte for byte as it was, no staging left."""
+    import contextlib
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                                 capture_output=True).returncode == 0
+    except OSError:  # no mount command
+        mounted = False
+    try:
+        out, small, big = str(disk / "data"), tmp_path / "small.txt", tmp_path / "big.txt"
+        small.write_text("a small document\n")
+        big.write_text("alpha bravo charlie " * 20000)  # 400 KB: 800 KB of uint16 tokens
+        assert prepare.main([str(small), "--out", out, "--progress_interval", "0"]) == 0
+        before = {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
+        capsys.readouterr()
+        with _file_size_limit(64 << 10) if not mounted else contextlib.nullcontext():
+            code = prepare.main([str(big), "--out", out])
+        _one_line_error(code, capsys, f"preparing {out} failed",
+                        "No space left on device" if mounted else "File too large", "--output_dir")
+        assert {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))} == before
+        assert tokenized.read_meta(out)["num_tokens"] == 18
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)

@@ -119,6 +119,22 @@ def test_impossible_budget_is_one_line_exit_2(tmp_path):
     assert result.stderr.startswith("error: no plan fits NVIDIA GB200: even the least-HBM plan")
 
 
+@pytest.mark.once
+def test_a_state_too_large_for_the_device_is_one_line_without_compiling(tmp_path):
+    """Llama 3.1 70B on one GB200: its parameters and Adam state alone (788 GiB) exceed HBM, so no plan fits. Said
+    in one line before any compile: no XLA log lines about programs that cannot fit, no persistent-cache
+    warnings (the compile cache is set, as a user's environment may; deviceless compiles never use it)."""
+    cache = tmp_path / "jax_cache"
+    result = run_cli(["-m", "MaxOffload.offload.planner", "configs/llama3_1.py:70b", "--topology", "1x1x1",
+                      f"run.output_dir={tmp_path}"], env={"JAX_COMPILATION_CACHE_DIR": str(cache),
+                                                          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"},
+                     timeout=300)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert result.stderr.startswith("error: no plan fits NVIDIA GB200: the state kept on the device "
+                                    "(parameters and optimizer state, before any activation) needs 788.50 GiB")
+    assert "compiling" not in result.stdout and not cache.exists(), result.stdout
+
+
 def test_exchange_moves_a_kept_tensor_to_the_host_for_a_bigger_win():
     costs = {"g": GroupCost("g", 10, 1e9, 1.0)}
     small = _cand("small", 100, 1e-3)  # denser: kept first, fills HBM

@@ -10,6 +10,11 @@ from MaxOffload.models import kernels
 from MaxOffload.offload import policy
 
 DTYPES = ("float32", "bfloat16")
+# Upper bounds, each beyond any real run: a larger value is a typo (an extra digit) that would otherwise exhaust
+# memory or overflow a size or counter with a traceback, before any message.
+MAX_INT = 2**31 - 1  # every integer key (XLA's sizes, step counters and seeds are 32-bit)
+MAX_LAYERS = 10_000  # the model's layers, all stacks together (the remat segments are listed per layer)
+MAX_ACTIVE_PARAMS = 10**12  # the weights one token's pass uses (models/base.active_params; Llama 3.1 405B: 4e11)
 
 
 def _get(cfg, key):
@@ -39,6 +44,29 @@ def _check_keys_and_types(cfg, reference=None, prefix=""):
             continue
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise ConfigError(f"{prefix + key} must be {want.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _check_numbers(cfg):
+    """Every number of the config (list items included) finite and within MAX_INT: no key takes nan or inf."""
+    for key in flat_keys(cfg):
+        value = _get(cfg, key)
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, float):
+                _require(math.isfinite(item), f"{key}={item} is not a finite number; give a finite value")
+            elif isinstance(item, int) and not isinstance(item, bool):
+                _require(abs(item) <= MAX_INT, f"{key}={item:,} is beyond any real run (at most {MAX_INT:,}); "
+                                               "check for an extra digit")
+
+
+def _check_model_size(config):
+    """The family's model within MAX_LAYERS and MAX_ACTIVE_PARAMS (pure Python: nothing is built)."""
+    layers = max(stop for _, stop in config.layer_groups().values())
+    _require(layers <= MAX_LAYERS, f"model: {layers:,} layers (model.num_layers and the extra stacks) are more "
+                                   f"than the {MAX_LAYERS:,} this framework takes; check model.num_layers")
+    active = config.active_params()
+    _require(active <= MAX_ACTIVE_PARAMS, f"model: {active:.3g} parameters per token are more than the "
+                                          f"{MAX_ACTIVE_PARAMS:.0e} this framework takes; check the model's sizes "
+                                          "(model.emb_dim, model.mlp_dim, model.vocab_size, heads and head dims)")
 
 
 def _positive(cfg, *keys):
@@ -114,6 +142,7 @@ def validate(cfg):
     from MaxOffload.data import tokenizer
 
     _check_keys_and_types(cfg)
+    _check_numbers(cfg)
     run, train, model, data = cfg.run, cfg.train, cfg.model, cfg.data
 
     _require(run.output_dir.strip() != "", "run.output_dir is empty; give a directory, e.g. runs/my_run")
@@ -127,7 +156,7 @@ def validate(cfg):
              "both set the step's batch; set one of them (grad_accum_steps is derived from global_batch_size)")
     for key in ("train.learning_rate", "train.weight_decay", "train.grad_clip_norm", "train.adam_eps"):
         value = _get(cfg, key)
-        _require(math.isfinite(value) and value >= 0, f"{key} must be a finite number >= 0, got {value}")
+        _require(value >= 0, f"{key} must be >= 0, got {value}")
     _require(train.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
     _require(train.warmup_steps < train.steps,
              f"train.warmup_steps={train.warmup_steps} must be below train.steps={train.steps}")
@@ -149,7 +178,9 @@ def validate(cfg):
     _choice("model.param_dtype", model.param_dtype, DTYPES)
     _choice("model.compute_dtype", model.compute_dtype, DTYPES)
     _choice("model.attention", model.attention, kernels.ATTENTION)
-    models.model_config(cfg.model).validate()  # the family's own checks
+    config = models.model_config(cfg.model)
+    config.validate()  # the family's own checks
+    _check_model_size(config)
 
     _validate_remat(cfg)
     from MaxOffload.parallel.logical import MESH_AXES

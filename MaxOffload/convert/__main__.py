@@ -32,7 +32,7 @@ from MaxOffload.errors import ConfigError
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
-def parse_size(text):
+def parse_size(text, option="--max_shard_size"):
     upper = text.strip().upper()
     for unit, factor in SIZE_UNITS.items():
         if upper.endswith(unit):
@@ -42,10 +42,10 @@ def parse_size(text):
         scale = 1
     try:
         value = int(float(upper) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         value = 0
     if value <= 0:
-        raise ConfigError(f"--max_shard_size {text}: give a size such as 5GB, 500MB or a number of bytes")
+        raise ConfigError(f"{option} {text}: give a size such as 5GB, 500MB or a number of bytes")
     return value
 
 
@@ -70,9 +70,11 @@ def options(argv, valued):
 
 
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help") or any(a in ("-h", "--help") for a in argv):
+    if not argv:
+        raise ConfigError("no command given: from-hf or to-hf (see --help)")
+    if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
-        return 0 if argv else 2
+        return 0
     command, argv = argv[0], argv[1:]
     if command == "from-hf":
         rest, values = options(argv, ("--config", "--out"))

@@ -40,8 +40,10 @@ import time
 
 import numpy as np
 
+from MaxOffload import cli
 from MaxOffload.data import tokenized
 from MaxOffload.data import tokenizer as tokenizer_lib
+from MaxOffload.errors import ConfigError
 from MaxOffload.reports import unwritable_dir
 
 TEXT_SUFFIXES, JSONL_SUFFIXES = (".txt",), (".jsonl",)
@@ -51,8 +53,8 @@ COPY_CHUNK = 16 << 20  # tokens copied at a time into the final layout
 STAGING = ".staging"  # DIR/.staging: the new dataset until it is complete
 
 
-class PrepareError(Exception):
-    """A user mistake (input, tokenizer, output directory); the message is one line naming the fix."""
+class PrepareError(ConfigError):
+    """A user mistake (input, tokenizer, output directory, a full disk); the message is one line naming the fix."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,11 +75,11 @@ def find_inputs(paths, exclude=None):
         raise PrepareError("no inputs given; pass .txt/.jsonl files or directories of them")
     files = []
     for path in paths:
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise PrepareError(f"input {path} not found; give existing .txt/.jsonl files or directories")
         if os.path.isdir(path):
             found = []
-            for root, dirs, names in os.walk(path):
+            for root, dirs, names in os.walk(path, onerror=_unreadable):
                 dirs[:] = sorted(d for d in dirs if exclude is None or
                                  os.path.realpath(os.path.join(root, d)) != exclude)
                 found += [(os.path.join(root, n), _kind(n)) for n in sorted(names) if _kind(n)]
@@ -89,7 +91,14 @@ def find_inputs(paths, exclude=None):
         else:
             raise PrepareError(f"input {path}: unsupported file type; give .txt (one document per file) or .jsonl "
                                "(one JSON object per line) files, or directories of them")
+    for path, _ in files:  # each one opens (no link loop, dangling link or missing permission) before any work
+        _open(path).close()
     return files
+
+
+def _unreadable(error):
+    """os.walk's onerror: a directory that cannot be listed is a mistake, not silently skipped."""
+    raise PrepareError(f"cannot read input directory {error.filename}: {error.strerror}")
 
 
 class _Source:
@@ -273,11 +282,15 @@ def prepare(inputs, out, *, tokenizer="byte", jsonl_field="text", separator=None
     dtype = np.dtype(tokenized.DTYPES[0] if tok.vocab_size <= 1 << 16 else tokenized.DTYPES[1])
     staging = os.path.join(out, STAGING)
     shutil.rmtree(staging, ignore_errors=True)  # left by a run that was killed
-    os.makedirs(staging)
     try:
+        os.makedirs(staging)
         meta = _write(files, inputs, staging, tok, dtype, jsonl_field=jsonl_field, separator=separator,
                       eval_fraction=eval_fraction, progress_interval=progress_interval)
         _swap(staging, out)
+    except OSError as e:  # the disk filled up or went read-only (the inputs' own errors are PrepareErrors)
+        where = f" ({e.filename})" if e.filename else ""
+        raise PrepareError(f"preparing {out} failed: {e.strerror or e}{where}; free disk space (the tokens are "
+                           "staged, so about twice their size is needed) or choose another --output_dir") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return meta
@@ -389,13 +402,8 @@ def _finish(out, paths, partial, tok, dtype, lengths, eval_fraction):
 # Command line
 # --------------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other mistake
-        raise PrepareError(f"{message} (python -m MaxOffload.data.prepare --help)")
-
-
 def _parser():
-    p = _Parser(prog="python -m MaxOffload.data.prepare", description=__doc__.split("\n\n")[0],
+    p = cli.ArgumentParser(prog="python -m MaxOffload.data.prepare", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("inputs", nargs="*", metavar="INPUTS", help=".txt / .jsonl files or directories of them")
     p.add_argument("--output_dir", "--out", dest="out", required=True, metavar="DIR",
@@ -404,25 +412,23 @@ def _parser():
     p.add_argument("--jsonl_field", default="text", help="the JSONL field holding the document text")
     p.add_argument("--separator", default=None, help="split .txt files into documents at this string "
                                                      "(default: one document per file)")
-    p.add_argument("--eval_fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)")
+    p.add_argument("--eval_fraction", type=cli.number, default=0.05, help="fraction of documents held out (default 0.05)")
     p.add_argument("--eos_token", default=None, help="the tokenizer's end-of-text token (default: found by name "
                                                      f"among {', '.join(tokenizer_lib.EOS_NAMES)}, else a new id)")
-    p.add_argument("--progress_interval", type=float, default=1.0, help="seconds between progress lines")
+    p.add_argument("--progress_interval", type=cli.number, default=1.0, help="seconds between progress lines")
     return p
 
 
 def main(argv=None):
-    try:
-        args = _parser().parse_args(argv)
-        meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, jsonl_field=args.jsonl_field,
-                       separator=args.separator, eval_fraction=args.eval_fraction, eos_token=args.eos_token,
-                       progress_interval=args.progress_interval)
-    except PrepareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    """Exit status: 0 written, 2 a mistake (one line `error: ...` on stderr, MaxOffload/cli.py)."""
+    return cli.run(_main, argv)
+
+
+def _main(argv):
+    args = _parser().parse_args(argv)
+    meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, jsonl_field=args.jsonl_field,
+                   separator=args.separator, eval_fraction=args.eval_fraction, eos_token=args.eos_token,
+                   progress_interval=args.progress_interval)
     print(f"wrote {args.out}: {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens "
           f"({meta['train_tokens']:,} train / {meta['eval_tokens']:,} held out: "
           f"{meta['eval_documents'] or 'the tail of the'} document{'s' if meta['eval_documents'] != 1 else ''}), "

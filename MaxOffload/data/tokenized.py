@@ -31,6 +31,14 @@ PAD = 0  # eval padding (masked out); id 0 exists in every vocabulary
 META, TOKENS, DOCUMENTS = "meta.json", "tokens.bin", "documents.npy"
 FORMAT_VERSION = 1
 DTYPES = ("uint16", "uint32")  # tokens.bin: uint16 for vocabularies up to 65,536 ids, else uint32
+# meta.json's fields the readers use, with their JSON types (train_documents, also an int, is optional)
+META_FIELDS = {"vocab_size": int, "dtype": str, "num_tokens": int, "train_tokens": int, "num_documents": int,
+               "tokenizer": dict}
+
+
+def _is(value, kind):
+    """`value` is of the JSON type `kind` (a bool is no int)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,28 +178,38 @@ def read_meta(path, key="data.path"):
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        num_tokens, dtype, vocab = int(meta["num_tokens"]), np.dtype(meta["dtype"]), int(meta["vocab_size"])
-        int(meta["train_tokens"]), int(meta["num_documents"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{key}={path}: {META} is unreadable or incomplete ({type(e).__name__}: {e}); "
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}={path}: {META} is unreadable ({type(e).__name__}: {e}); "
                             "prepare the directory again") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ConfigError(f"{key}={path}: {META} has format_version {meta.get('format_version')!r}, this version "
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise ConfigError(f"{key}={path}: {META} has format_version {version!r}, this version "
                             f"reads {FORMAT_VERSION}; prepare the directory again")
+    fields = {**META_FIELDS, **({"train_documents": int} if "train_documents" in meta else {})}
+    wrong = [f"{name} ({'missing' if name not in meta else f'{type(meta[name]).__name__} {meta[name]!r:.40}'})"
+             for name, kind in fields.items() if not _is(meta.get(name), kind)]
+    if not wrong and not _is(meta["tokenizer"].get("name"), str):
+        wrong.append("tokenizer.name")
     again = "prepare the directory again (python -m MaxOffload.data.prepare)"
-    written = DTYPES[0] if vocab <= 1 << 16 else DTYPES[1]
+    if wrong:
+        raise ConfigError(f"{key}={path}: {META} has wrong or missing fields: {', '.join(wrong)} (expected: "
+                            f"{', '.join(f'{n} {k.__name__}' for n, k in META_FIELDS.items())}); {META} was "
+                            f"edited or damaged: {again}")
+    num_tokens, vocab = meta["num_tokens"], meta["vocab_size"]
     if vocab < 1:
         raise ConfigError(f"{key}={path}: {META} has vocab_size {vocab}; {again}")
-    if dtype.name != written:
-        raise ConfigError(f"{key}={path}: {META} says dtype {dtype.name}, but a vocabulary of {vocab:,} ids is "
+    written = DTYPES[0] if vocab <= 1 << 16 else DTYPES[1]
+    if meta["dtype"] != written:
+        raise ConfigError(f"{key}={path}: {META} says dtype {meta['dtype']}, but a vocabulary of {vocab:,} ids is "
                             f"written as {written}; {META} was edited or damaged: {again}")
+    dtype = np.dtype(written)
     tokens_path = os.path.join(path, TOKENS)
     want = num_tokens * dtype.itemsize
     have = os.path.getsize(tokens_path) if os.path.isfile(tokens_path) else None
     if have != want:
         raise ConfigError(f"{key}={path}: {TOKENS} is {'missing' if have is None else f'{have:,} bytes'}, "
                             f"{META} says {num_tokens:,} {dtype.name} tokens ({want:,} bytes); {again}")
-    train, documents = int(meta["train_tokens"]), int(meta["num_documents"])
+    train, documents = meta["train_tokens"], meta["num_documents"]
     if documents < 1 or not 0 <= train <= num_tokens:
         raise ConfigError(f"{key}={path}: {META} says {documents:,} documents and train_tokens {train:,} of "
                             f"{num_tokens:,}; it needs at least one document and 0 <= train_tokens <= num_tokens: "
@@ -200,7 +218,7 @@ def read_meta(path, key="data.path"):
         starts = np.load(os.path.join(path, DOCUMENTS), mmap_mode="r")
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}={path}: {DOCUMENTS} is missing or unreadable ({e}); {again}") from None
-    train_documents = int(meta["train_documents"]) if documents >= 2 and "train_documents" in meta else None
+    train_documents = meta["train_documents"] if documents >= 2 and "train_documents" in meta else None
     if (starts.shape != (documents + 1,) or int(starts[0]) != 0 or int(starts[-1]) != num_tokens
             or (train_documents is not None and not (0 <= train_documents <= documents
                                                      and int(starts[train_documents]) == train))):

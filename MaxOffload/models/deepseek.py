@@ -145,6 +145,9 @@ class DeepSeekConfig(ModelConfig):
                 "bounds them: set one of the two")
         experts, top_k, groups, topk_groups = self.num_experts, self.num_experts_per_tok, self.n_groups, self.topk_groups
         require(top_k <= experts, f"model.num_experts_per_tok={top_k} exceeds model.num_experts={experts}")
+        require(self.capacity_factor <= experts / top_k,
+                f"model.capacity_factor={self.capacity_factor} is above num_experts / num_experts_per_tok = "
+                f"{experts / top_k:g}, where each expert already takes every token of a sequence; lower it")
         require(experts % groups == 0, f"model.num_experts={experts} is not divisible by model.n_groups={groups}")
         require(topk_groups <= groups, f"model.topk_groups={topk_groups} exceeds model.n_groups={groups}")
         require(top_k <= topk_groups * (experts // groups),

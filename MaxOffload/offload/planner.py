@@ -214,20 +214,25 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
     """The Choice for cfg (remat.policy may be anything; remat.tensors are honoured as pins)."""
     from MaxOffload import from_config
     from MaxOffload.offload.placement import activation_groups
-    from MaxOffload.train.step import HOST
+    from MaxOffload.train.step import DEVICE as DEVICE_KIND, HOST
 
     devices = _target_devices(target, topology)
     accelerator = _accelerator(target, devices)
     setup = from_config.train_setup(cfg, devices, from_config.template(cfg))  # full remat
     m = machine(accelerator, cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST)) if accelerator \
         else cpu_machine()
+    confirm = confirm and m.gpu
+    resident = setup.state_bytes_per_device(DEVICE_KIND)  # in HBM whatever the activations' plan
+    if confirm and resident > m.hbm_usable:  # no plan fits: said before tracing and compiling (XLA would only
+        #                                      confirm it, with log lines about the programs it cannot fit)
+        raise plan_error(m, resident, setup.state_bytes_per_device(HOST), "the state kept on the device "
+                         "(parameters and optimizer state, before any activation)")
     groups, _, _ = activation_groups(cfg, setup)
     mc = setup.model_config
     candidates, costs = cost_model(mc, groups, m, cfg.train.seq_len, pinned=from_config.pins(cfg))
     model_flops = sum(audit.model_flops_per_device(setup).values())
     tokens = cfg.train.per_device_batch_size * cfg.train.seq_len
     other_s = 6 * tokens * mc.emb_dim * mc.vocab_size / m.peak_flops
-    confirm = confirm and m.gpu
     full_compiled = None
     if confirm:
         log(f"planner: compiling full remat and keep-everything for {target or accelerator.name} (the HBM base "
@@ -463,6 +468,11 @@ def main(argv):
 
     argv, _, flags = cli.parse(argv, __doc__, keys=TARGET_KEYS, flags=("--no_confirm",))
     confirm = not flags["--no_confirm"]  # the CLI always plans afresh; plan_for() caches for train.py/aot
+    # XLA logs its complaints about the candidates the planner compiles to measure (a plan over HBM: "Can't
+    # reduce memory use below ..."); the planner reports what fits itself. Silenced before the backend starts,
+    # unless TF_CPP_MIN_LOG_LEVEL is set to other than JAX's default 1 (jax/__init__.py): 0 shows them.
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed

@@ -6,18 +6,20 @@ TRACE_DIR: a run's profile directory (<run.output_dir>/profile, written by profi
 jax.profiler trace directory. Prints per step: compute time, device->host and host->device copy time
 and bytes, the fraction of copy time hidden under compute, collectives and their overlap, the exposed
 (un-hidden) time and the largest exposed copies; then a one-paragraph verdict. --json prints the same
-as JSON. Exit status: 0 a report, 2 no trace there.
+as JSON. Exit status: 0 a report, 2 no trace there, an empty or damaged one, or a bad argument (one line).
 """
-import argparse
 import json
 import sys
 
+from MaxOffload.cli import tool
 from MaxOffload.errors import ConfigError
-from MaxOffload.profile import intervals, trace
+from MaxOffload.profile import intervals
 
 
 def report(trace_dir, device=None):
     """{"module", "device", "markers", "steps": [analysis per step], "mean": analysis averaged over steps}."""
+    from MaxOffload.profile import trace  # JAX's trace reader: after the arguments are checked
+
     found = trace.read_steps(trace_dir, device)
     steps = [intervals.analyse(events) for events in found["steps"]]
     result = {"trace_dir": trace_dir, "module": found["module"], "device": found["device"],
@@ -114,18 +116,19 @@ def format_table(result):
     return "\n".join(rows)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace_dir")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--device", default=None, help="device to analyse (default: the first found)")
-    args = parser.parse_args(argv)
-    try:
-        result = report(args.trace_dir, args.device)
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
+@tool
+def main(argv):
+    """Exit status; a mistake, or a trace with nothing to report, prints one line (MaxOffload/cli.py)."""
+    from MaxOffload import cli
+
+    rest, options, flags = cli.parse(argv, __doc__, keys=(), options={"--device": None}, flags=("--json",))
+    if len(rest) != 1:
+        raise ConfigError(f"give one trace directory, got {len(rest)} arguments: python -m "
+                          "MaxOffload.profile.overlap TRACE_DIR [--json] [--device NAME] (see --help)")
+    result = report(rest[0], options["--device"])
+    if result["mean"] is None:  # an empty trace: no device ops of an XLA program
+        raise ConfigError(verdict(result).removeprefix("overlap: "))
+    if flags["--json"]:
         print(json.dumps({**result, "verdict": verdict(result)}, indent=1))
     else:
         print(format_table(result))
@@ -134,4 +137,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

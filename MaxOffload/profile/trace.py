@@ -137,7 +137,7 @@ def read_steps(trace_dir, device=None):
     Executions are told apart by run_id / group_id; without either, the window is one group."""
     files = find_xplanes(trace_dir)
     if not files:
-        raise FileNotFoundError(f"no .xplane.pb under {trace_dir}; capture one with profile.mode=xprof")
+        raise ConfigError(f"no .xplane.pb under {trace_dir}; capture one with profile.mode=xprof")
     raw = list(_raw_events(files))
     if not raw:
         return {"module": None, "device": None, "steps": [], "markers": step_markers(files)}

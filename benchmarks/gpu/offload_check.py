@@ -12,17 +12,18 @@ of a 2-step xprof window. Then the parity gate (python -m MaxOffload.offload.par
 the offload policy against full remat), which exercises XLA's real host-offload passes. The XLA-preset
 sweep (LHS, pipelined offload, the planner) is benchmarks/offload_sweep.py on the same MODEL.
 """
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from benchmarks.offload_sweep import variant_argv  # noqa: E402
+from MaxOffload.cli import tool  # noqa: E402
+from benchmarks.offload_sweep import VARIANTS, variant_argv  # noqa: E402
 
 # Llama-3.1-8B layers (8 of them, 2.1B parameters: 33 GB of fp32 parameters + Adam), 32k tokens a step.
 # Saving the offloaded tensors takes 2.3 GB a layer; full remat keeps only the 0.27 GB layer input.
@@ -75,21 +76,21 @@ def run_variant(name, argv, args):
     return result
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for every variant")
-    parser.add_argument("--output_dir", default=os.environ.get("OUT", "runs/gpu_offload_check"))
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--variants", default="remat,offload")
-    parser.add_argument("--no_parity", action="store_true")
-    args = parser.parse_args()
-    from MaxOffload.config import ConfigError
+@tool
+def main(argv):
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload import cli
 
-    try:
-        plans = {name: variant_argv([*MODEL, *OFFLOAD, *args.overrides], name) for name in args.variants.split(",")}
-    except (ConfigError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    overrides, options, flags = cli.parse(argv, __doc__, keys=(), flags=("--no_parity",), options={
+        "--output_dir": os.environ.get("OUT", "runs/gpu_offload_check"), "--steps": 8, "--variants": "remat,offload"})
+    args = types.SimpleNamespace(overrides=overrides, output_dir=options["--output_dir"], steps=options["--steps"],
+                                 no_parity=flags["--no_parity"])
+    if args.steps < 2:
+        raise cli.ConfigError(f"--steps {args.steps}: give at least 2 (the profiled window is 2 steps)")
+    unknown = [n for n in options["--variants"].split(",") if n not in VARIANTS]
+    if unknown:
+        raise cli.ConfigError(f"--variants: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    plans = {name: variant_argv([*MODEL, *OFFLOAD, *overrides], name) for name in options["--variants"].split(",")}
     os.makedirs(args.output_dir, exist_ok=True)
     results = []
     for name, argv in plans.items():
@@ -127,4 +128,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
