@@ -47,12 +47,17 @@ def cli():
 @contextlib.contextmanager
 def small_filesystem(path, size="256k", read_only=False):
     """A real tmpfs of `size` at `path` (created), mounted read-only if asked, unmounted after: a full disk or a
-    read-only filesystem for the test to write into. Needs root, as CI has (its Slurm runs as root too)."""
+    read-only filesystem for a test to write into. Needs root, as CI has; elsewhere the test is skipped unless
+    CI=true says it must run."""
     os.makedirs(path, exist_ok=True)
     options = f"size={size}" + (",ro" if read_only else "")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True)
-    assert mounted.returncode == 0, f"cannot mount a tmpfs (run the tests as root): {mounted.stderr.strip()}"
+    if mounted.returncode != 0:
+        reason = f"cannot mount a tmpfs ({mounted.stderr.strip() or 'mount failed'}): needs root"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}, but CI=true requires this test")
+        pytest.skip(reason)
     try:
         yield path
     finally:
-        subprocess.run(["umount", path], check=True)
+        subprocess.run(["umount", "-l", path], check=False)

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import small_filesystem
 from MaxOffload.data import prepare, text, tokenized, tokenizer
 
 pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
@@ -602,49 +603,17 @@ def test_a_corpus_file_that_cannot_be_read_is_one_line(tmp_path, capsys, case, r
     assert not os.path.exists(out)
 
 
-def _file_size_limit(limit):
-    """Writes past `limit` bytes fail with EFBIG in this process (Python ignores SIGXFSZ)."""
-    import contextlib
-    import resource
-
-    @contextlib.contextmanager
-    def limited():
-        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-        try:
-            yield
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    return limited()
-
-
 def test_a_full_disk_during_prepare_is_one_line_and_keeps_the_old_dataset(tmp_path, capsys):
-    """Re-preparing onto a full disk: a 256 KiB tmpfs (a real ENOSPC) where this process may mount one, else a
-    file-size limit on this process (EFBIG: the same failing writes, as an unprivileged user). One line, exit 2,
-    the old dataset byte for byte as it was, no staging left."""
-    import contextlib
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
-                                 capture_output=True).returncode == 0
-    except OSError:  # no mount command
-        mounted = False
-    try:
-        out, small, big = str(disk / "data"), tmp_path / "small.txt", tmp_path / "big.txt"
+    """Re-preparing onto a full disk (a 256 KiB tmpfs: a real ENOSPC): one line, exit 2, the old dataset byte for
+    byte as it was, no staging left."""
+    with small_filesystem(str(tmp_path / "disk"), "256k") as disk:
+        out, small, big = os.path.join(disk, "data"), tmp_path / "small.txt", tmp_path / "big.txt"
         small.write_text("a small document\n")
         big.write_text("alpha bravo charlie " * 20000)  # 400 KB: 800 KB of uint16 tokens
         assert prepare.main([str(small), "--out", out, "--progress_interval", "0"]) == 0
         before = {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
         capsys.readouterr()
-        with _file_size_limit(64 << 10) if not mounted else contextlib.nullcontext():
-            code = prepare.main([str(big), "--out", out])
-        _one_line_error(code, capsys, f"preparing {out} failed",
-                        "No space left on device" if mounted else "File too large", "--output_dir")
+        _one_line_error(prepare.main([str(big), "--out", out]), capsys, f"preparing {out} failed",
+                        "No space left on device", "--output_dir")
         assert {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))} == before
         assert tokenized.read_meta(out)["num_tokens"] == 18
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(disk)], check=True)

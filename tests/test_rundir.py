@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, small_filesystem
 from test_checkpoint import TINY, _sound, losses, start, wait_for_step
 
 pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
@@ -131,21 +131,9 @@ def test_a_tensorboard_directory_that_cannot_be_written_is_one_line(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 6 MiB tmpfs (a full disk for real: tensorstore's own writes fail with ENOSPC). Needs root, as CI is;
-    elsewhere the test is skipped unless CI=true says it must run."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        reason = f"cannot mount a tmpfs ({mounted.stderr.strip() or 'mount failed'}): needs root"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason}, but CI=true requires this test")
-        pytest.skip(reason)
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+    """A 6 MiB tmpfs (a full disk for real: tensorstore's own writes fail with ENOSPC)."""
+    with small_filesystem(str(tmp_path / "disk"), "6m") as disk:
+        yield tmp_path / "disk"
 
 
 def test_a_full_disk_is_one_line_and_the_checkpoints_before_it_stay_sound(small_disk):
