@@ -117,8 +117,8 @@ _ENUMS = {"default": "COLLECTIVE_PIPELINING_MODE_DEFAULT", "off": "COLLECTIVE_PI
 # only when Triton GEMMs are off (with them on, XLA dequantizes and runs BF16 Triton GEMMs, silently), and only
 # unmerged: XLA's dot merger joins GEMMs that share an operand (the query/key/value projections, the MLP's two
 # input projections) by concatenating their dequantized weights, each with its own scale, which no FP8 GEMM takes
-QUANT_FLAGS = {"bf16": (), "fp8": ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger_threshold_mb=0"),
-               "mxfp8": ()}
+_FP8_GEMMS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger_threshold_mb=0")
+QUANT_FLAGS = {"bf16": (), "fp8": _FP8_GEMMS, "mxfp8": _FP8_GEMMS}  # mxfp8's capacity-mode experts: per tensor
 
 
 def compiler_options(preset, quant_mode="bf16"):

@@ -7,7 +7,7 @@ accumulated and returned in float32. `fp8` / `mxfp8` (quant.mode): the GEMMs of 
 the attention projections, the MLPs and shared experts, the routed experts) through models/fp8.py; the embedding,
 output head, router, norms and attention scores stay as in bf16 (as DeepSeek-V3 trained). The routed experts'
 dropless grouped GEMM (tokamax ragged_dot) stays BF16: no FP8 grouped GEMM with a backward exists for it yet;
-their capacity-mode batched GEMM is quantized. Every call runs under jax.named_scope(SCOPE), so a test finds every weight
+their capacity-mode batched GEMM is quantized per tensor (fp8) in both FP8 modes. Every call runs under jax.named_scope(SCOPE), so a test finds every weight
 matmul of a traced step (tests/test_moe_parts.py walks the jaxpr for a dot_general outside it).
 """
 import dataclasses
@@ -70,8 +70,9 @@ def grouped(rows, w, sizes, capacity, kernel, numerics):
         if capacity:
             experts = w.shape[0]
             groups = rows.reshape(experts, -1, rows.shape[-1])
-            if numerics.quantized(components.EXPERTS):
-                out = fp8.EINSUMS[numerics.mode]("egk,ekn->egn", groups.astype(w.dtype), w)
+            if numerics.quantized(components.EXPERTS):  # per-tensor FP8 in both modes: this GEMM runs inside the
+                # exchange's shard_map, where jax's MXFP8 VJP drops the manual axes of its gradients
+                out = fp8.einsum_fp8("egk,ekn->egn", groups.astype(w.dtype), w)
             else:
                 out = jnp.einsum("egk,ekn->egn", groups, w)
             return out.reshape(-1, w.shape[-1])

@@ -1,0 +1,91 @@
+"""FP8 weight GEMMs (quant.mode, models/fp8.py): on CPU, fp8 and mxfp8 train like bf16 and their gradients stay
+near bf16's; in the deviceless GPU compile, every GEMM of the parts the mode covers (forward, both backward
+GEMMs, recomputation) is an FP8 kernel (cuBLASLt FP8, cuDNN's block-scaled dot), counted by the audit, with the
+routed experts' tokamax grouped GEMM named as BF16 by design; bad settings are one line.
+mxfp8 needs jax >= 0.11: on the py311 stack (jax 0.10.2) its cases are the one-line error instead."""
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from conftest import ROOT, process_env
+from MaxOffload import audit, deviceless, from_config
+from MaxOffload.config import ConfigError, load
+
+NEW_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
+MODES = ["fp8", "mxfp8"] if NEW_JAX else ["fp8"]
+# every dimension an MXFP8 GEMM contracts a multiple of its blocks of 32 (DeepSeek-V3's own are: 7168, 1536, 576)
+LLAMA = ["configs/llama3_1.py:tiny", "model.mlp_dim=192"]
+DEEPSEEK = ["configs/deepseek_v3.py:tiny", "model.qk_rope_head_dim=32", "model.kv_lora_rank=32"]
+SMALL = ["train.seq_len=32", "train.per_device_batch_size=2"]
+
+
+def test_fp8_modes_train_like_bf16_and_their_gradients_stay_near_it():
+    """300 steps on the same text from the same seed: the final loss (mean of the last 10 steps) within 3% of
+    bf16's; the first batch's gradient within 15% (relative norm of the difference) of bf16's: e4m3 keeps 3
+    mantissa bits, so each operand is off by up to 6% per element, and the measured differences are 5-8%."""
+    cases = {"llama": [*LLAMA, *SMALL], "deepseek dropless": [*DEEPSEEK, *SMALL],
+             "deepseek capacity": [*DEEPSEEK, *SMALL, "model.capacity_factor=2.0"]}
+    result = subprocess.run([sys.executable, "tests/helpers/fp8_check.py", json.dumps(cases), json.dumps(MODES)],
+                            cwd=ROOT, text=True, capture_output=True, env=process_env(["python"]), timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    for case, modes in found.items():
+        bf16 = modes["bf16"]["final_loss"]
+        assert bf16 < modes["bf16"]["first_loss"] - 0.5, (case, modes)  # it trained
+        for mode in MODES:
+            assert abs(modes[mode]["final_loss"] - bf16) <= 0.03 * bf16, (case, mode, modes)
+            assert 0 < modes[mode]["grad"] < 0.15, (case, mode, modes)  # quantized, and not far off
+
+
+@pytest.mark.once
+def test_bad_quant_settings_are_one_line(tmp_path):
+    base = [*LLAMA, f"run.output_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"quant.mode='fp4' is not one of bf16, fp8, mxfp8"):
+        load([*base, "quant.mode=fp4"])
+    with pytest.raises(ConfigError, match=r"quant.parts='unembed' is not one of projections, mlp, routed_experts"):
+        load([*base, "quant.parts=[unembed]"])
+    if not NEW_JAX:
+        with pytest.raises(ConfigError, match=r"quant.mode=mxfp8 needs jax >= 0.11"):
+            load([*base, "quant.mode=mxfp8"])
+        return
+    with pytest.raises(ConfigError, match=r"aot.target=h200 \(NVIDIA H200\) runs it as dequantize \+ BF16: use "
+                                          r"quant.mode=fp8 there"):
+        load([*base, "quant.mode=mxfp8", "aot.target=h200"])
+    odd = from_config.train_setup(load(["configs/llama3_1.py:tiny", *SMALL, "quant.mode=mxfp8",
+                                        f"run.output_dir={tmp_path}"]))  # mlp_dim 176: not whole blocks of 32
+    with pytest.raises(ConfigError, match=r"quant.mode=mxfp8 quantizes in blocks of 32, and the GEMM .* contracts "
+                                          r"176 elements in one of its passes"):
+        odd.lower_train_step()
+
+
+def fp8_audit(target, overrides):
+    cfg = load([*overrides, *SMALL, "run.output_dir=/tmp/maxoffload-fp8-audit"])
+    setup = from_config.train_setup(cfg, deviceless.compile_only_devices(target, "1x1x1"))
+    compiled = setup.compile_train_step()
+    return audit.of_compiled(compiled, setup), compiled.as_text()
+
+
+@pytest.mark.parametrize("target, mode, overrides, kernel", [
+    ("h200", "fp8", LLAMA, "__cublas$lt$matmul$f8"),
+    ("gb200", "fp8", [*DEEPSEEK, "model.capacity_factor=2.0"], "__cublas$lt$matmul$f8"),
+    ("gb200", "mxfp8" if NEW_JAX else "fp8", DEEPSEEK,
+     "__cudnn$blockScaledDot" if NEW_JAX else "__cublas$lt$matmul$f8"),
+], ids=["llama-h200-fp8", "deepseek-capacity-gb200-fp8", "deepseek-dropless-gb200-mxfp8"])
+def test_every_gemm_the_mode_covers_compiles_to_an_fp8_kernel(target, mode, overrides, kernel):
+    """The projections (MLA's six), the dense MLPs, the shared experts and the routed experts (capacity mode) in
+    the forward, both backward GEMMs and the recomputation: each an FP8 kernel; dropless routed experts: the
+    tokamax grouped GEMM, named BF16 by design; bf16 compiles none."""
+    report, text = fp8_audit(target, [*overrides, f"quant.mode={mode}"])
+    share = report["fp8"]
+    assert share["asked"] >= 3 * 7 and share["fp8"] == share["asked"] and share["not_fp8"] == [], share
+    assert share["fp8_flops"] == share["asked_flops"] > 0 and kernel in text
+    capacity = "model.capacity_factor=2.0" in overrides
+    assert (share["bf16_by_design"] > 0) == (overrides is DEEPSEEK and not capacity), share
+    assert any(line.startswith(f"FP8 GEMMs: {share['fp8']} of {share['asked']} asked")
+               for line in audit.format_audit(report))
+    if target == "h200":
+        plain, plain_text = fp8_audit(target, overrides)
+        assert "fp8" not in plain and "$f8" not in plain_text and "blockScaledDot" not in plain_text
