@@ -81,24 +81,24 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     run_dir, step_dir = locate(source)
-    staging.check_out(out, [run_dir, step_dir])
     family, c = model_config(run_dir)
-    # the saved structure must be this model's, and its files whole, before a byte is converted
-    try:
-        unverified = integrity.verify(step_dir, integrity.structure(nested(models.weight_leaves(c))), 0, 1,
-                                      partial=True)
-    except integrity.Damaged as e:
-        raise removed_by_its_run(step_dir) or ConfigError(f"checkpoint {step_dir} is damaged ({e}); export another "
-                                                         "step") from None
-    except integrity.Renamed as e:
-        raise ConfigError(e.line(step_dir)) from None
-    except integrity.Mismatch as e:
-        raise ConfigError(f"checkpoint {step_dir} does not hold the model its run's config.json describes ({e})") from None
-    if unverified:
-        say(f"warning: checkpoint {step_dir} is exported unverified: {unverified}")
-    reader, target = WeightsReader(step_dir), DTYPES[dtype]
-    say(f"to-hf: {step_dir} ({family.hf.architectures[0]}) -> {out} ({dtype})")
     with staging.staged(out, [run_dir, step_dir], say) as partial:  # renamed to `out` when complete
+        # the saved structure must be this model's, and its files whole, before a byte is converted
+        try:
+            unverified = integrity.verify(step_dir, integrity.structure(nested(models.weight_leaves(c))), 0, 1,
+                                          partial=True)
+        except integrity.Damaged as e:
+            raise removed_by_its_run(step_dir) or ConfigError(f"checkpoint {step_dir} is damaged ({e}); export "
+                                                             "another step") from None
+        except integrity.Renamed as e:
+            raise ConfigError(e.line(step_dir)) from None
+        except integrity.Mismatch as e:
+            raise ConfigError(f"checkpoint {step_dir} does not hold the model its run's config.json describes "
+                              f"({e})") from None
+        if unverified:
+            say(f"warning: checkpoint {step_dir} is exported unverified: {unverified}")
+        reader, target = WeightsReader(step_dir), DTYPES[dtype]
+        say(f"to-hf: {step_dir} ({family.hf.architectures[0]}) -> {out} ({dtype})")
         writer = ShardWriter(partial, max_shard_bytes)
         try:
             for name, value in hf_tensors(family.hf.groups(c), reader.read):

@@ -143,12 +143,10 @@ def from_hf(hf_dir, config_spec, overrides, out, say=print):
     started = time.time()
     hf = HFCheckpoint(hf_dir)
     cfg, family, differs = merged_config(hf, config_spec, overrides)
-    staging.check_out(out, [hf_dir])
     c = models.model_config(cfg.model)
-    architecture = hf.config["architectures"][0]
-    say(f"from-hf: {hf_dir} ({architecture}, {len(hf.files)} shard(s), {gib(hf.nbytes())}) -> {out}/checkpoints/0 "
-        f"({cfg.model.family}, {c.param_dtype} parameters)")
     with staging.staged(out, [hf_dir], say) as partial:  # renamed to `out` when complete
+        say(f"from-hf: {hf_dir} ({hf.config['architectures'][0]}, {len(hf.files)} shard(s), {gib(hf.nbytes())}) -> "
+            f"{out}/checkpoints/0 ({cfg.model.family}, {c.param_dtype} parameters)")
         count, unused, params = convert(hf, cfg, family, partial)
         rundir.write_config(partial, cfg.to_dict(), lambda _: None)
         write_json(os.path.join(partial, HF_SOURCE), hf.config)  # what an export carries over (exporter.py)
