@@ -25,7 +25,7 @@ class Accelerator:
     name: str
     hbm_bytes: int  # what XLA sees as device memory
     hbm_bandwidth: float  # bytes/s
-    bf16_peak_flops: float  # dense, per device
+    bf16_peak_flops: float  # dense, per device (FP8's is twice it on Hopper and Blackwell: fp8_peak_flops)
     host_link_bandwidth: float  # bytes/s per direction, device <-> host
     host_link: str
     gpus_per_node: int
@@ -41,6 +41,12 @@ class Accelerator:
     nvlink_bandwidth: float = 450 * GB  # NVLink 4: 900 GB/s bidirectional
     network_bandwidth: float = 50 * GB
     nvlink_domain: int = 8  # GPUs one NVLink domain joins (the rest talk over the network)
+
+    @property
+    def fp8_peak_flops(self):
+        """Dense FP8 tensor-core FLOP/s: twice BF16's on every GPU here (H100/H200 1,979 TFLOP/s, B200 4.5
+        PFLOP/s, GB200 5 PFLOP/s in NVIDIA's datasheets)."""
+        return 2 * self.bf16_peak_flops
 
 
 ACCELERATORS = {

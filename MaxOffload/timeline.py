@@ -59,6 +59,7 @@ class Rates:
     nvlink: float
     network: float
     domain: int  # GPUs per NVLink domain within a slice of the topology
+    fp8_matmul_flops: float = None  # FP8 GEMMs (cuBLASLt f8, cuDNN block-scaled); None: twice matmul_flops
 
     @classmethod
     def of(cls, accelerator, topology="1x1x1", calibration=None):
@@ -68,7 +69,8 @@ class Rates:
         return cls(accelerator.name, accelerator.bf16_peak_flops, accelerator.bf16_peak_flops * c["matmul_efficiency"],
                    accelerator.hbm_bandwidth * c["hbm_efficiency"], accelerator.host_link_bandwidth * link,
                    accelerator.nvlink_bandwidth * link, accelerator.network_bandwidth * link,
-                   max(1, min(accelerator.nvlink_domain, slice_devices)))
+                   max(1, min(accelerator.nvlink_domain, slice_devices)),
+                   accelerator.fp8_peak_flops * c["matmul_efficiency"])
 
 
 @dataclasses.dataclass
@@ -174,11 +176,14 @@ class Simulation:
     def kernel(self, ins, computation):
         key = (computation, ins.name)
         if key not in self.work:
-            self.work[key] = (sum(m.flops for m in self.counter.instruction(ins, computation)),
+            matmuls = self.counter.instruction(ins, computation)
+            self.work[key] = (sum(m.flops for m in matmuls if not m.fp8), sum(m.flops for m in matmuls if m.fp8),
                               kernel_bytes(self.module, computation, ins))
-        flops, moved = self.work[key]
-        seconds = max(flops / self.rates.matmul_flops, moved / self.rates.hbm_bytes)
-        self.events.append(Event(COMPUTE, self.clock, self.clock + seconds, ins.name, ins.op_name, flops, moved))
+        flops, fp8_flops, moved = self.work[key]
+        fp8_rate = self.rates.fp8_matmul_flops or 2 * self.rates.matmul_flops
+        seconds = max(flops / self.rates.matmul_flops + fp8_flops / fp8_rate, moved / self.rates.hbm_bytes)
+        self.events.append(Event(COMPUTE, self.clock, self.clock + seconds, ins.name, ins.op_name, flops + fp8_flops,
+                                 moved))
         self.clock += seconds
 
     def start(self, ins, computation):

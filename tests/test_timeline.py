@@ -107,6 +107,27 @@ def test_an_async_all_gather_overlaps_a_gemm():
     assert across["collective_s"] == pytest.approx(20 * MS) and across["exposed_collective_s"] == pytest.approx(17 * MS)
 
 
+def test_an_fp8_gemm_runs_at_twice_the_bf16_rate():
+    """cuBLASLt's FP8 matmul of 1e9 FLOPs takes 0.5 ms where the BF16 GEMM of the same shape takes 1 ms (RATES:
+    FP8 at twice the matmul rate, as on Hopper and Blackwell; Rates.of gives the target's own)."""
+    gemm = ('  %{n} = (bf16[500,1000]{{1,0}}, s8[1024]{{0}}) custom-call({ops}), custom_call_target="{target}", '
+            'backend_config={{"gemm_backend_config":{{"dot_dimension_numbers":{{"lhs_contracting_dimensions":["1"],'
+            '"rhs_contracting_dimensions":["0"]}}}}}}, metadata={{op_name="jit(step)/mlp/dot_general"}}\n')
+    text = ("HloModule m, is_scheduled=true\n\nENTRY %main (a: f8e4m3fn[500,1000], b: f8e4m3fn[1000,1000], "
+            "x: bf16[500,1000], y: bf16[1000,1000], s: f32[]) -> bf16[500,1000] {\n"
+            "  %a = f8e4m3fn[500,1000]{1,0} parameter(0)\n  %b = f8e4m3fn[1000,1000]{1,0} parameter(1)\n"
+            "  %x = bf16[500,1000]{1,0} parameter(2)\n  %y = bf16[1000,1000]{1,0} parameter(3)\n"
+            "  %s = f32[] parameter(4)\n"
+            + gemm.format(n="f8", ops="%a, %b, %s, %s", target="__cublas$lt$matmul$f8")
+            + gemm.format(n="bf16", ops="%x, %y", target="__cublas$gemm")
+            + "  ROOT %out = bf16[500,1000]{1,0} get-tuple-element(%bf16), index=0\n}\n")
+    report, sim = run(text)
+    durations = {e.name: e.end - e.start for e in sim.events if e.engine == timeline.COMPUTE}
+    assert durations["f8"] == pytest.approx(0.5 * MS) and durations["bf16"] == pytest.approx(1 * MS)
+    gb200 = timeline.Rates.of(hardware.ACCELERATORS["gb200"])
+    assert gb200.fp8_matmul_flops == pytest.approx(2 * gb200.matmul_flops)
+
+
 def test_a_synchronous_collective_stalls_compute():
     """An all-reduce of 2e6 bytes over 2 devices moves 2 (n - 1) / n x 2e6 = 2e6 bytes: 2 ms, all of it exposed."""
     body = ("  %r = f32[500,1000]{1,0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%sum\n" + kernels(1))
