@@ -409,7 +409,7 @@ def _cache_dir():
 def cache_key(cfg, target, topology, device_count=None):
     import jax
 
-    relevant = {k: cfg[k].to_dict() for k in ("model", "remat", "mesh", "offload", "xla")}
+    relevant = {k: cfg[k].to_dict() for k in ("model", "remat", "mesh", "offload", "xla", "quant")}
     relevant.update(batch=cfg.train.per_device_batch_size, micro_batches=cfg.train.grad_accum_steps,
                     global_batch=cfg.train.global_batch_size,
                     seq_len=cfg.train.seq_len,
