@@ -51,10 +51,12 @@ def model(cfg, plan=None, rngs=None):
 
 
 def numerics(cfg):
-    """The weight matmuls' numerics (models/matmul.Numerics): the compute dtype, quant.mode and its parts."""
+    """The weight matmuls' numerics (models/matmul.Numerics): the compute dtype, quant.mode, its parts and the
+    activations stored in FP8."""
     from MaxOffload.models import matmul
 
-    return matmul.Numerics(cfg.model.compute_dtype, cfg.quant.mode, tuple(cfg.quant.parts))
+    quant = cfg.quant
+    return matmul.Numerics(cfg.model.compute_dtype, quant.mode, tuple(quant.parts), tuple(quant.fp8_storage))
 
 
 def micro_batches(cfg, device_count):

@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from conftest import ROOT, process_env
+from conftest import ROOT, process_env, run_cli
 from MaxOffload import audit, deviceless, from_config
 from MaxOffload.config import ConfigError, load
 
@@ -60,6 +60,25 @@ def test_bad_quant_settings_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"quant.mode=mxfp8 quantizes in blocks of 32, and the GEMM .* contracts "
                                           r"176 elements in one of its passes"):
         odd.lower_train_step()
+
+
+@pytest.mark.once
+def test_fp8_storage_offloads_half_the_bytes(tmp_path):
+    """quant.fp8_storage=[mlpwi_0]: the offloaded gate projection goes to pinned host memory as float8_e4m3fn and
+    its scale (two placements in the CUDA lowering, both expected), half the bytes of bfloat16."""
+    args = ["-m", "MaxOffload.offload.inspect", *LLAMA, "train.per_device_batch_size=8", "remat.policy=custom",
+            "remat.tensors.mlpwi_0=offload", "--no_cpu_memory"]
+    found = {}
+    for label, extra in (("bf16", []), ("fp8", ["quant.fp8_storage=[mlpwi_0]"])):
+        result = run_cli([*args, *extra, f"run.output_dir={tmp_path / label}"])
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = json.loads((tmp_path / label / "offload_report.json").read_text())
+        assert report["problems"] == [], report["problems"]
+        found[label] = report
+    bf16, fp8 = (sum(g["offload_bytes_per_device"] for g in found[k]["groups"].values()) for k in ("bf16", "fp8"))
+    layers = 2  # the tiny Llama's, both offloading mlpwi_0
+    assert fp8 == bf16 // 2 + 4 * layers  # the e4m3 tensor and its float32 scale per layer
+    assert found["fp8"]["cuda_pinned_host_placements"] == 2 * found["bf16"]["cuda_pinned_host_placements"]
 
 
 def fp8_audit(target, overrides):

@@ -8,6 +8,7 @@ from MaxOffload.config.defaults import flat_keys, get_path
 from MaxOffload.errors import ConfigError, require as _require, require_choice as _choice, suggest
 from MaxOffload.models import kernels
 from MaxOffload.offload import policy
+from MaxOffload.offload.names import VOCABULARY
 
 DTYPES = ("float32", "bfloat16")
 # Upper bounds, each beyond any real run: a larger value is a typo (an extra digit) that would otherwise exhaust
@@ -122,6 +123,8 @@ def _validate_quant(cfg):
     _choice("quant.mode", quant.mode, QUANT_MODES)
     for part in quant.parts:
         _choice("quant.parts", part, QUANT_PARTS)
+    for name in quant.fp8_storage:
+        _choice("quant.fp8_storage", name, tuple(VOCABULARY))
     if quant.mode != "mxfp8":
         return
     import jax

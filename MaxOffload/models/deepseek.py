@@ -267,19 +267,20 @@ class MLA(nnx.Module):
     def __call__(self, x, positions):
         nope = self.nope
         project = lambda spec, a, w: matmul.dense(a, w[...], spec, components.PROJECTIONS, self.numerics)  # noqa: E731
-        q_latent = names.tag(project(None, x, self.wq_a), names.QUERY_WA_PROJ)
-        q_latent = names.tag(self.q_norm(q_latent), names.MLA_Q)
-        q = names.tag(project("blr,rhd->blhd", q_latent, self.wq_b), names.QUERY_PROJ)
-        kv = names.tag(project(None, x, self.wkv_a), names.KV_WA_PROJ)
-        kv_latent = names.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
-        k_nope = names.tag(project("blr,rhd->blhd", kv_latent, self.wk_b), names.KEY_PROJ)
-        v = names.tag(project("blr,rhd->blhd", kv_latent, self.wv_b), names.VALUE_PROJ)
+        q_latent = self.numerics.tag(project(None, x, self.wq_a), names.QUERY_WA_PROJ)
+        q_latent = self.numerics.tag(self.q_norm(q_latent), names.MLA_Q)
+        q = self.numerics.tag(project("blr,rhd->blhd", q_latent, self.wq_b), names.QUERY_PROJ)
+        kv = self.numerics.tag(project(None, x, self.wkv_a), names.KV_WA_PROJ)
+        kv_latent = self.numerics.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
+        k_nope = self.numerics.tag(project("blr,rhd->blhd", kv_latent, self.wk_b), names.KEY_PROJ)
+        v = self.numerics.tag(project("blr,rhd->blhd", kv_latent, self.wv_b), names.VALUE_PROJ)
         k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        out = names.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout), names.ATTENTION_OUT)
+        out = self.numerics.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout),
+                                names.ATTENTION_OUT)
         out = project("blhd,hde->ble", out, self.wo)
-        return names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+        return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +293,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, c: DeepSeekConfig, *, moe, rngs, layout=NONE, numerics=None):
         pdt = jnp.dtype(c.param_dtype)
         inv_freq, amplitude, softmax_scale = rope_setup(c)
-        numerics = numerics or matmul.Numerics(c.compute_dtype)
+        numerics = self.numerics = numerics or matmul.Numerics(c.compute_dtype)
         common = dict(param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs, layout=layout)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = MLA(emb_dim=c.emb_dim, num_heads=c.num_heads, q_lora_rank=c.q_lora_rank,
@@ -310,7 +311,7 @@ class DecoderLayer(nnx.Module):
             self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, **common)
 
     def __call__(self, x, positions):
-        x = names.tag(x, names.DECODER_LAYER_INPUT)
+        x = self.numerics.tag(x, names.DECODER_LAYER_INPUT)
         x = x + self.attention(self.attention_norm(x), positions)
         if isinstance(self.mlp, MoE):
             out, stats = self.mlp(self.mlp_norm(x))

@@ -92,3 +92,22 @@ def einsum_mxfp8(spec, x, w):
 
 
 EINSUMS = {"fp8": einsum_fp8, "mxfp8": einsum_mxfp8}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def stored(x, name):
+    """`x` tagged as activation `name` and kept as float8_e4m3fn + a per-tensor scale (quant.fp8_storage): the
+    policy saves or offloads the two (half the bytes of BF16), the forward goes on with their dequantized value
+    (lossy), and the gradient passes straight through. Whatever needs the value again (the backward, a
+    recomputation) dequantizes it from the stored pair, never recomputes `x`."""
+    return _stored_forward(x, name)[0]
+
+
+def _stored_forward(x, name):
+    from MaxOffload.offload import names
+
+    q, scale = quantize(x, E4M3)
+    return dequantize(names.tag(q, name), names.tag(scale, name), x.dtype), None
+
+
+stored.defvjp(_stored_forward, lambda name, _, g: (g,))

@@ -129,15 +129,15 @@ class Attention(nnx.Module):
     @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
         project = lambda spec, a, w: matmul.dense(a, w[...], spec, components.PROJECTIONS, self.numerics)  # noqa: E731
-        q = names.tag(project("ble,ehd->blhd", x, self.wq), names.QUERY_PROJ)
-        k = names.tag(project("ble,ehd->blhd", x, self.wk), names.KEY_PROJ)
-        v = names.tag(project("ble,ehd->blhd", x, self.wv), names.VALUE_PROJ)
+        q = self.numerics.tag(project("ble,ehd->blhd", x, self.wq), names.QUERY_PROJ)
+        k = self.numerics.tag(project("ble,ehd->blhd", x, self.wk), names.KEY_PROJ)
+        v = self.numerics.tag(project("ble,ehd->blhd", x, self.wv), names.VALUE_PROJ)
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = names.tag(attention(q, k, v, None, self.attention, self.layout), names.ATTENTION_OUT)
+        out = self.numerics.tag(attention(q, k, v, None, self.attention, self.layout), names.ATTENTION_OUT)
         out = project("blhd,hde->ble", out, self.wo)
-        return names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+        return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
 
 class SwiGLU(nnx.Module):
@@ -150,7 +150,7 @@ class SwiGLU(nnx.Module):
     @components.scoped(components.MLP)
     def __call__(self, x):
         mlp = lambda a, w: matmul.dense(a, w[...], None, components.MLP, self.numerics)  # noqa: E731
-        gate = names.tag(mlp(x, self.wi_0), names.MLPWI_0)
-        up = names.tag(mlp(x, self.wi_1), names.MLPWI_1)
+        gate = self.numerics.tag(mlp(x, self.wi_0), names.MLPWI_0)
+        up = self.numerics.tag(mlp(x, self.wi_1), names.MLPWI_1)
         out = mlp(jax.nn.silu(gate) * up, self.wo)
-        return names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
+        return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)

@@ -74,7 +74,7 @@ class LlamaConfig(ModelConfig):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, c: LlamaConfig, *, rngs, layout, numerics):
-        pdt = jnp.dtype(c.param_dtype)
+        pdt, self.numerics = jnp.dtype(c.param_dtype), numerics
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
                                  c.rope_high_freq_factor, c.rope_original_max_len)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
@@ -86,7 +86,7 @@ class DecoderLayer(nnx.Module):
                           init_std=c.init_std, rngs=rngs, layout=layout)
 
     def __call__(self, x, positions):
-        x = names.tag(x, names.DECODER_LAYER_INPUT)
+        x = self.numerics.tag(x, names.DECODER_LAYER_INPUT)
         x = x + self.attention(self.attention_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 

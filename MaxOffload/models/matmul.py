@@ -7,8 +7,11 @@ accumulated and returned in float32. `fp8` / `mxfp8` (quant.mode): the GEMMs of 
 the attention projections, the MLPs and shared experts, the routed experts) through models/fp8.py; the embedding,
 output head, router, norms and attention scores stay as in bf16 (as DeepSeek-V3 trained). The routed experts'
 dropless grouped GEMM (tokamax ragged_dot) stays BF16: no FP8 grouped GEMM with a backward exists for it yet;
-their capacity-mode batched GEMM is quantized per tensor (fp8) in both FP8 modes. Every call runs under jax.named_scope(SCOPE), so a test finds every weight
-matmul of a traced step (tests/test_moe_parts.py walks the jaxpr for a dot_general outside it).
+their capacity-mode batched GEMM is quantized per tensor (fp8) in both FP8 modes. `Numerics.tag` tags activations
+for the remat/offload policies, keeping the names of quant.fp8_storage in FP8.
+
+Every call runs under jax.named_scope(SCOPE), so a test finds every weight matmul of a traced step
+(tests/test_moe_parts.py walks the jaxpr for a dot_general outside it).
 """
 import dataclasses
 
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxOffload.models import components, fp8, kernels
+from MaxOffload.offload import names
 
 SCOPE = "weight_matmul"
 # The only matmuls outside SCOPE contract two activations: attention's scores and values, and the routed experts'
@@ -31,10 +35,16 @@ class Numerics:
     compute_dtype: str = "bfloat16"
     mode: str = "bf16"
     parts: tuple = (components.PROJECTIONS, components.MLP, components.EXPERTS)
+    fp8_storage: tuple = ()  # activation names kept in FP8 when saved or offloaded (quant.fp8_storage)
 
     def quantized(self, part):
         """Whether the GEMMs of `part` run in FP8."""
         return self.mode != "bf16" and part in self.parts
+
+    def tag(self, x, name):
+        """`x` tagged as activation `name` for the remat/offload policies (offload/names.tag), stored in FP8 when
+        `name` is in fp8_storage (models/fp8.stored)."""
+        return fp8.stored(x, name) if name in self.fp8_storage else names.tag(x, name)
 
     def operand_dtype(self, part):
         """The dtype both operands are cast to for a matmul of `part` (the router decides in float32)."""

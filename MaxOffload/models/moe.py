@@ -39,9 +39,9 @@ def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, layou
     choices dropped), through the layout's exchange (models/exchange.py; without a mesh every expert is local)."""
     ep = exchange_lib.EXCHANGES[layout.exchange](layout, wi_0.shape[0], capacity, kernel, buffer_factor, numerics)
     rows, row, sizes, dropped = ep.dispatch(x, experts, positions)
-    gate = names.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
-    up = names.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
-    out = names.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)
+    gate = numerics.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
+    up = numerics.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
+    out = numerics.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)
     return ep.combine(out, row, gates), dropped.sum()
 
 
