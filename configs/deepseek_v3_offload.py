@@ -1,5 +1,6 @@
 """DeepSeek-V3 with activation host offloading (the JAX-Toolbox recipe; at 671b extended to fit, below):
-configs/deepseek_v3_offload.py:671b | :tiny | :small.
+configs/deepseek_v3_offload.py:671b | :tiny | :small, each also
+with MXFP8 GEMMs and the routed experts' host activations stored in FP8 (:671b_mxfp8, ...: docs/fp8.md).
 
 In the MoE layers (and the MoE block of multi-token prediction after them, when model.mtp_depth > 0)
 the routed experts' input projections (moe_mlpwi_0/1) go to pinned host memory, the query/key/value
@@ -25,6 +26,14 @@ DEVICE = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out", "ou
 
 
 def get_config(size="671b"):
+    if size.endswith("_mxfp8"):  # e.g. 671b_mxfp8: the same recipe with MXFP8 GEMMs (docs/fp8.md)
+        cfg = get_config(size[:-len("_mxfp8")])
+        cfg.run.output_dir += "_mxfp8"
+        cfg.quant.mode = "mxfp8"
+        # the routed experts' input projections, most of what goes to the host, in FP8 (as DeepSeek-V3 cached
+        # activations): half the bytes over the link; their forward goes on with the FP8 values
+        cfg.quant.fp8_storage = ["moe_mlpwi_0", "moe_mlpwi_1"]
+        return cfg
     cfg = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"deepseek_v3.py:{size}"))
     cfg.run.output_dir = f"runs/deepseek_v3_{size}_offload"
     cfg.remat.policy = "custom"

@@ -1,4 +1,5 @@
-"""Llama 3.1 with activation host offloading: configs/llama3_1_offload.py:8b | :70b | :405b | :tiny | :small.
+"""Llama 3.1 with activation host offloading: configs/llama3_1_offload.py:8b | :70b | :405b | :tiny | :small, each also
+with per-tensor FP8 GEMMs (:405b_fp8, ...: docs/fp8.md).
 
 Every layer offloads its attention projections (q, k, v and the output projection) to pinned
 host memory and recomputes the MLP, whose inputs are the largest activations (2 x 53248 wide
@@ -14,6 +15,11 @@ from MaxOffload.config.loader import load_file
 
 
 def get_config(size="8b"):
+    if size.endswith("_fp8"):  # e.g. 405b_fp8: the same recipe with per-tensor FP8 GEMMs (docs/fp8.md)
+        cfg = get_config(size[:-len("_fp8")])
+        cfg.run.output_dir += "_fp8"
+        cfg.quant.mode = "fp8"
+        return cfg
     cfg = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"llama3_1.py:{size}"))
     cfg.run.output_dir = f"runs/llama3_1_{size}_offload"
     cfg.remat.policy = "custom"
