@@ -1,5 +1,5 @@
-"""quant.mode against bf16 on CPU, in ONE process: for each case (argv[1]: JSON {case: [config overrides]}) and each
-mode (argv[2]: JSON list), the mean loss of the last 10 of STEPS training steps trained on the same data from the
+"""quant.mode against bf16 on CPU, in ONE process: for each case (argv[1]: JSON {case: {"overrides": [config
+overrides], "modes": [quant modes]}}) and each of its modes, the mean loss of the last 10 of STEPS training steps trained on the same data from the
 same seed and, for the first case, the first batch's gradient relative to bf16's. Prints JSON {case: {mode:
 {"first_loss", "final_loss", "grad": relative difference (first case only; bf16's is 0)}}}."""
 import json
@@ -18,7 +18,7 @@ from MaxOffload import data as data_lib  # noqa: E402
 from MaxOffload import from_config  # noqa: E402
 from MaxOffload.config import load  # noqa: E402
 
-STEPS = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 300
 
 
 def run(overrides, mode, gradient):
@@ -54,5 +54,5 @@ def compare(overrides, modes, gradient):
 
 
 if __name__ == "__main__":
-    modes, cases = json.loads(sys.argv[2]), json.loads(sys.argv[1])
-    print(json.dumps({case: compare(overrides, modes, i == 0) for i, (case, overrides) in enumerate(cases.items())}))
+    cases = json.loads(sys.argv[1])
+    print(json.dumps({case: compare(c["overrides"], c["modes"], i == 0) for i, (case, c) in enumerate(cases.items())}))
