@@ -46,17 +46,24 @@ def model(cfg, plan=None, rngs=None):
     from MaxOffload.models import kernels
 
     config = kernels.for_platform(models.model_config(cfg.model), kernels.platform(jax.devices()[0]))
-    return models.build(config, plan if plan is not None else static_plan(cfg),
-                        rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed), numerics=numerics(cfg))
+    plan = plan if plan is not None else static_plan(cfg)
+    return models.build(config, plan, rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed),
+                        numerics=numerics(cfg, plan))
 
 
-def numerics(cfg):
+OFFLOADED = "offloaded"  # quant.fp8_storage's word for every name the plan offloads
+
+
+def numerics(cfg, plan=None):
     """The weight matmuls' numerics (models/matmul.Numerics): the compute dtype, quant.mode, its parts and the
-    activations stored in FP8."""
+    activations stored in FP8 (quant.fp8_storage; "offloaded": every name `plan`, default cfg's own, offloads)."""
     from MaxOffload.models import matmul
 
     quant = cfg.quant
-    return matmul.Numerics(cfg.model.compute_dtype, quant.mode, tuple(quant.parts), tuple(quant.fp8_storage))
+    stored = set(quant.fp8_storage) - {OFFLOADED}
+    if OFFLOADED in quant.fp8_storage:
+        stored |= set((plan if plan is not None else static_plan(cfg)).offloaded_names())
+    return matmul.Numerics(cfg.model.compute_dtype, quant.mode, tuple(quant.parts), tuple(sorted(stored)))
 
 
 def micro_batches(cfg, device_count):
@@ -81,12 +88,13 @@ def train_setup(cfg, devices=None, plan=None):
     from MaxOffload.train import optimizer, step
 
     device_mesh = mesh.make(cfg.mesh, devices)
-    return step.TrainSetup(models.model_config(cfg.model), plan if plan is not None else static_plan(cfg),
+    plan = plan if plan is not None else static_plan(cfg)
+    return step.TrainSetup(models.model_config(cfg.model), plan,
                            device_mesh,
                            {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()},
                            exchange=cfg.mesh.exchange, tx=optimizer.build(cfg.train),
                            schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
                            per_device_batch=cfg.train.per_device_batch_size,
                            micro_batches=micro_batches(cfg, device_mesh.size),
-                           gather_weights=cfg.train.gather_weights, numerics=numerics(cfg), seed=cfg.run.seed,
+                           gather_weights=cfg.train.gather_weights, numerics=numerics(cfg, plan), seed=cfg.run.seed,
                            on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite])

@@ -67,12 +67,12 @@ def test_bad_quant_settings_are_one_line(tmp_path):
 
 @pytest.mark.once
 def test_fp8_storage_offloads_half_the_bytes(tmp_path):
-    """quant.fp8_storage=[mlpwi_0]: the offloaded gate projection goes to pinned host memory as float8_e4m3fn and
-    its scale (two placements in the CUDA lowering, both expected), half the bytes of bfloat16."""
+    """quant.fp8_storage=[offloaded] (every name the plan offloads: mlpwi_0 here): the offloaded gate projection
+    goes to pinned host memory as float8_e4m3fn and its scale (two placements in the CUDA lowering, both expected), half the bytes of bfloat16."""
     args = ["-m", "MaxOffload.offload.inspect", *LLAMA, "train.per_device_batch_size=8", "remat.policy=custom",
             "remat.tensors.mlpwi_0=offload", "--no_cpu_memory"]
     found = {}
-    for label, extra in (("bf16", []), ("fp8", ["quant.fp8_storage=[mlpwi_0]"])):
+    for label, extra in (("bf16", []), ("fp8", ["quant.fp8_storage=[offloaded]"])):  # mlpwi_0, from the plan
         result = run_cli([*args, *extra, f"run.output_dir={tmp_path / label}"])
         assert result.returncode == 0, result.stdout + result.stderr
         report = json.loads((tmp_path / label / "offload_report.json").read_text())

@@ -102,7 +102,8 @@ SCHEMA = {
                                                             "stay bf16)"),
         "fp8_storage": ([], "activation names kept as float8_e4m3fn + a per-tensor scale when saved or offloaded "
                             "(half the bytes; the forward goes on with the dequantized value, the gradient passes "
-                            "straight through), e.g. [mlpwi_0, mlpwi_1]; any quant.mode"),
+                            "straight through), e.g. [mlpwi_0, mlpwi_1], or [offloaded]: every name the plan "
+                            "offloads; any quant.mode"),
     },
     "xla": {
         "preset": ("baseline", "XLA scheduling preset for GPU runs: baseline | lhs (latency hiding scheduler) | "

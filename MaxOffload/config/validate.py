@@ -124,7 +124,7 @@ def _validate_quant(cfg):
     for part in quant.parts:
         _choice("quant.parts", part, QUANT_PARTS)
     for name in quant.fp8_storage:
-        _choice("quant.fp8_storage", name, tuple(VOCABULARY))
+        _choice("quant.fp8_storage", name, ("offloaded", *VOCABULARY))
     if quant.mode != "mxfp8":
         return
     import jax

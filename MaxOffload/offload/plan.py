@@ -28,6 +28,10 @@ class OffloadPlan:
         """Whether any layer segment moves a tagged activation to pinned host memory."""
         return any(d == OFFLOAD for seg in self.segments for _, d in seg.decisions)
 
+    def offloaded_names(self):
+        """The tagged names some layer segment moves to pinned host memory, sorted."""
+        return sorted({name for seg in self.segments for name, d in seg.decisions if d == OFFLOAD})
+
     def model_groups(self):
         """{model group: (start, stop)}: the model's separately scanned stacks, in global layer indices."""
         out = {}
