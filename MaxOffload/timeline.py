@@ -83,6 +83,7 @@ class Event:
     flops: float = 0.0
     bytes: float = 0.0
     stall: float = 0.0  # compute time lost waiting for this transfer or collective (its exposed time)
+    fp8_flops: float = 0.0  # of `flops`, those of FP8 GEMMs
 
     @property
     def component(self):
@@ -183,7 +184,7 @@ class Simulation:
         fp8_rate = self.rates.fp8_matmul_flops or 2 * self.rates.matmul_flops
         seconds = max(flops / self.rates.matmul_flops + fp8_flops / fp8_rate, moved / self.rates.hbm_bytes)
         self.events.append(Event(COMPUTE, self.clock, self.clock + seconds, ins.name, ins.op_name, flops + fp8_flops,
-                                 moved))
+                                 moved, fp8_flops=fp8_flops))
         self.clock += seconds
 
     def start(self, ins, computation):
@@ -402,6 +403,7 @@ def summarize(sim, step, model_flops_per_device=None):
         "copy_hidden_fraction": 1 - stalls["copy"] / copy_s if copy_s else None,
         "collective_hidden_fraction": 1 - stalls[COLLECTIVE] / busy[COLLECTIVE] if busy[COLLECTIVE] else None,
         "compiled_matmul_flops": sum(e.flops for e in sim.events),
+        "fp8_matmul_flops": sum(e.fp8_flops for e in sim.events),
         "kernels": sum(1 for e in sim.events if e.engine == COMPUTE),
         "unknown_trip_counts": sim.unknown_trip_counts,
         "calibration": {"matmul_flops": sim.rates.matmul_flops, "hbm_bytes_per_s": sim.rates.hbm_bytes,
@@ -412,8 +414,18 @@ def summarize(sim, step, model_flops_per_device=None):
     }
     if model_flops_per_device:
         report["model_tflops_per_device"] = model_flops_per_device / step / 1e12
-        report["mfu"] = model_flops_per_device / step / sim.rates.peak_flops
+        report["mfu"] = model_flops_per_device / step / mixed_peak(sim.rates, report)
     return report
+
+
+def mixed_peak(rates, report):
+    """The peak FLOP/s MFU counts against: BF16's for the step's BF16 GEMMs, FP8's (fp8_matmul_flops over
+    matmul_flops times BF16's) for its FP8 GEMMs, weighted by their FLOPs; BF16's when it has no FP8 GEMM."""
+    total, fp8 = report["compiled_matmul_flops"], report["fp8_matmul_flops"]
+    if not fp8:
+        return rates.peak_flops
+    fp8_peak = rates.peak_flops * (rates.fp8_matmul_flops or 2 * rates.matmul_flops) / rates.matmul_flops
+    return total / ((total - fp8) / rates.peak_flops + fp8 / fp8_peak)
 
 
 def of_compiled(compiled, setup, rates):

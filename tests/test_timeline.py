@@ -109,7 +109,8 @@ def test_an_async_all_gather_overlaps_a_gemm():
 
 def test_an_fp8_gemm_runs_at_twice_the_bf16_rate():
     """cuBLASLt's FP8 matmul of 1e9 FLOPs takes 0.5 ms where the BF16 GEMM of the same shape takes 1 ms (RATES:
-    FP8 at twice the matmul rate, as on Hopper and Blackwell; Rates.of gives the target's own)."""
+    FP8 at twice the matmul rate, as on Hopper and Blackwell; Rates.of gives the target's own), and MFU counts
+    the FP8 GEMMs against the FP8 peak."""
     gemm = ('  %{n} = (bf16[500,1000]{{1,0}}, s8[1024]{{0}}) custom-call({ops}), custom_call_target="{target}", '
             'backend_config={{"gemm_backend_config":{{"dot_dimension_numbers":{{"lhs_contracting_dimensions":["1"],'
             '"rhs_contracting_dimensions":["0"]}}}}}}, metadata={{op_name="jit(step)/mlp/dot_general"}}\n')
@@ -124,6 +125,9 @@ def test_an_fp8_gemm_runs_at_twice_the_bf16_rate():
     report, sim = run(text)
     durations = {e.name: e.end - e.start for e in sim.events if e.engine == timeline.COMPUTE}
     assert durations["f8"] == pytest.approx(0.5 * MS) and durations["bf16"] == pytest.approx(1 * MS)
+    # MFU against the step's own mix: 1e9 FLOPs at 1e12 and 1e9 at 2e12 -> 2e9 FLOPs in 1.5 ms at peak
+    assert report["fp8_matmul_flops"] == pytest.approx(1e9)
+    assert timeline.mixed_peak(RATES, report) == pytest.approx(2e9 / 1.5e-3)
     gb200 = timeline.Rates.of(hardware.ACCELERATORS["gb200"])
     assert gb200.fp8_matmul_flops == pytest.approx(2 * gb200.matmul_flops)
 
