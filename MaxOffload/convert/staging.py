@@ -92,12 +92,13 @@ def _raise_interrupted(signum, _frame):
 @contextlib.contextmanager
 def staged(out, sources, say=print):
     """Yields a new directory to write the conversion into; renames it to `out` when the block completes,
-    removes it when the block fails or is interrupted (SIGTERM is turned into Interrupted meanwhile). A write
+    removes it when the block fails or is interrupted (SIGTERM and SIGINT become Interrupted meanwhile). A write
     that the filesystem refuses (full, read-only, no permission) becomes one ConfigError line."""
     check_out(out, sources)
     _leftovers(out, say)
     staging = f"{os.path.abspath(out)}.partial-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    # both signals explicitly: a process started in the background inherits SIGINT ignored (no KeyboardInterrupt)
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
             os.makedirs(staging)
@@ -120,4 +121,5 @@ def staged(out, sources, say=print):
                                   "or give a writable --out") from None
             raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -81,7 +81,8 @@ def seal(step_dir, process_index, process_count, state_structure):
     record = {"process": process_index, "processes": process_count, "files": files}
     if process_index == 0:
         record["structure"] = state_structure
-        record["step"] = _step_of(step_dir)
+        if _step_of(step_dir) is not None:
+            record["step"] = _step_of(step_dir)
     path = os.path.join(step_dir, f"{_PREFIX}{process_index}{_SUFFIX}")
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -89,8 +90,9 @@ def seal(step_dir, process_index, process_count, state_structure):
 
 
 def _step_of(step_dir):
-    """The step a step directory's name says (checkpoints/<step>)."""
-    return int(os.path.basename(os.path.normpath(step_dir)))
+    """The step a step directory's name says (checkpoints/<step>), or None for a name that is not a step."""
+    name = os.path.basename(os.path.normpath(step_dir))
+    return int(name) if name.isdigit() else None
 
 
 def _manifests(step_dir):
@@ -137,7 +139,7 @@ def _check_local(step_dir, configured, process_index, process_count, partial):
     if 0 not in manifests:
         return 1, "it has no integrity manifest (saved by an older MaxOffload, or the run ended before writing it)", None
     step = manifests[0].get("step")  # recorded since 2026-12-03
-    if step is not None and step != _step_of(step_dir):
+    if step is not None and _step_of(step_dir) is not None and step != _step_of(step_dir):
         return 4, step, None
     saved = manifests[0].get("structure", {})
     what = _compare(saved, configured, partial)
