@@ -85,11 +85,11 @@ def xla_target_config(a):
     dot stays a dequantize + BF16 GEMM (no cuBLASLt FP8), and below cuDNN 9.10 the MXFP8 block-scaled dot
     decomposes too. jax < 0.11 reads the cuDNN version from the top-level `dnn_version_info`, newer jax from
     `gpu_device_info.dnn_version`."""
-    import jax
+    from MaxOffload.platform import jax_at_least
 
     major, minor = a.compute_capability
     dnn_major, dnn_minor = CUDNN
-    new_jax = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
+    new_jax = jax_at_least(0, 11)
     dnn = "" if new_jax else f"dnn_version_info {{ major: {dnn_major} minor: {dnn_minor} }}\n"
     device_dnn = f'  dnn_version: "{dnn_major}.{dnn_minor}.0"\n' if new_jax else ""
     return f"""gpu_device_info {{

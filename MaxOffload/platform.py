@@ -19,3 +19,11 @@ def use_cpu_runtime():
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:
         sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def jax_at_least(major, minor):
+    """Whether the installed jax is at least major.minor (jax 0.11 changed the deviceless target's cuDNN field and
+    gave MXFP8 its CPU and differentiable lowering)."""
+    import jax
+
+    return tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (major, minor)

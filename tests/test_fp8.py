@@ -7,14 +7,14 @@ import json
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from conftest import ROOT, process_env, run_cli
 from MaxOffload import audit, deviceless, from_config
 from MaxOffload.config import ConfigError, load
+from MaxOffload.platform import jax_at_least
 
-NEW_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
+NEW_JAX = jax_at_least(0, 11)
 MODES = ["fp8", "mxfp8"] if NEW_JAX else ["fp8"]
 # every dimension an MXFP8 GEMM contracts a multiple of its blocks of 32 (DeepSeek-V3's own are: 7168, 1536, 576)
 LLAMA = ["configs/llama3_1.py:tiny", "model.mlp_dim=192"]

@@ -129,7 +129,9 @@ def _validate_quant(cfg):
         return
     import jax
 
-    _require(tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11),
+    from MaxOffload.platform import jax_at_least
+
+    _require(jax_at_least(0, 11),
              f"quant.mode=mxfp8 needs jax >= 0.11 (its block-scaled dot has no CPU or differentiable lowering in "
              f"jax {jax.__version__}): pip install -U jax jaxlib on Python 3.12, or use quant.mode=fp8")
     from MaxOffload import hardware

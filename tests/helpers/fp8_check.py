@@ -10,13 +10,12 @@ from MaxOffload.platform import prefer_cpu_without_gpu
 prefer_cpu_without_gpu()  # before JAX starts: the CUDA plugin is installed, a GPU is not
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 from MaxOffload import data as data_lib  # noqa: E402
 from MaxOffload import from_config  # noqa: E402
 from MaxOffload.config import load  # noqa: E402
+from grad_accum_check import relative  # noqa: E402  (tests/helpers: the same relative difference of two trees)
 
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 300
 
@@ -35,11 +34,6 @@ def run(overrides, mode, gradient):
         state, metrics = step(state, setup.put_step_batch([data.train_batch(i)]))
         losses.append(float(metrics["loss"]))
     return grads, losses
-
-
-def relative(a, b):
-    diff = jax.tree.map(lambda x, y: x.astype(jnp.float32) - y.astype(jnp.float32), a, b)
-    return float(optax.tree.norm(diff)) / max(float(optax.tree.norm(b)), 1e-30)
 
 
 def compare(overrides, modes, gradient):
