@@ -18,6 +18,7 @@ from MaxOffload.convert.hf_files import CONFIG, HF_SOURCE, ShardWriter
 from MaxOffload.convert.orbax_files import WeightsReader, nested
 from MaxOffload.errors import ConfigError
 from MaxOffload.reports import gib, peak_rss
+from MaxOffload.train import rundir
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
 
@@ -27,12 +28,12 @@ def locate(source):
     source = os.path.normpath(source)
     if os.path.isdir(os.path.join(source, "state")):
         return os.path.dirname(os.path.dirname(source)), source
-    directory = source if os.path.basename(source) == "checkpoints" else os.path.join(source, "checkpoints")
-    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+    run_dir = os.path.dirname(source) if os.path.basename(source) == "checkpoints" else source
+    steps = rundir.checkpoint_steps(run_dir)
     if not steps:
         raise ConfigError(f"{source}: no checkpoint there; give a run directory, its checkpoints/ or one step "
                           "directory")
-    return os.path.dirname(directory), os.path.join(directory, str(steps[-1]))
+    return run_dir, os.path.join(run_dir, "checkpoints", str(steps[-1]))
 
 
 def model_config(run_dir):

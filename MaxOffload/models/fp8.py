@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.offload import names
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TINY = 1e-12  # an all-zero tensor's amax: its scale stays finite
@@ -104,8 +105,6 @@ def stored(x, name):
 
 
 def _stored_forward(x, name):
-    from MaxOffload.offload import names
-
     q, scale = quantize(x, E4M3)
     return dequantize(names.tag(q, name), names.tag(scale, name), x.dtype), None
 
