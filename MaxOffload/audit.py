@@ -21,9 +21,10 @@ projections, MLP, router, routed experts, unembedding; "other" when none), and t
 when JAX marked it `rematted_computation` (the forward redone in the backward pass) or when XLA's own HLO
 rematerialization cloned it to save memory (an instruction named `*.remat*`, which keeps the original op
 name), else forward/backward.
-FP8 GEMMs (cuBLASLt's `$f8` matmul, cuDNN's block-scaled dot) are marked as such: with `quantized` parts (quant.mode),
-the report's `fp8` says how many of those parts' GEMMs (forward, backward, recomputed) became FP8 kernels and
-names the rest, apart from the routed experts' tokamax grouped GEMM, BF16 by design (it has no FP8 backward).
+FP8 GEMMs (cuBLASLt's `$f8` matmul, cuDNN's block-scaled dot, tokamax's grouped GEMM on FP8 operands) are
+marked as such: with `quantized` parts (quant.mode), the report's `fp8` says how many of those parts' GEMMs
+(forward, backward, recomputed) became FP8 kernels and names the rest, apart from the routed experts' weight
+gradient (tokamax's ragged-contracting grouped GEMM), BF16 by design (that kernel has no FP8 path).
 A `dot` whose op name says `ragged_dot` is XLA's dense rewrite of a grouped matmul (its lhs expanded over
 the experts): it is listed in `dense_ragged_dots`, a WARNING on its own.
 """
@@ -62,8 +63,11 @@ def _tokamax_op(op_name):
 
 
 def _ragged_dot_flops(arguments):
-    """2 x lhs elements x the rhs dimensions that are neither contracted, batch nor group dimensions."""
-    lhs, rhs = dims(arguments["lhs"]), dims(arguments["rhs"])
+    """2 x lhs elements x the rhs dimensions that are neither contracted, batch nor group dimensions (a quantized
+    operand, a qwix QArray, by its quantized value's shape)."""
+    # (jax spells FP8 types f8_e4m3fn, HLO f8e4m3fn)
+    lhs, rhs = (dims((a["qvalue"] if isinstance(a, dict) else a).replace("_", ""))
+                for a in (arguments["lhs"], arguments["rhs"]))
     numbers = arguments["ragged_dot_dimension_numbers"]
     (_, rhs_contracting), (_, rhs_batch) = numbers["dot_dimension_numbers"]
     skipped = set(rhs_contracting) | set(rhs_batch) | set(numbers["rhs_group_dimensions"])
@@ -114,16 +118,35 @@ TRITON_KERNELS.update({name: ("PallasTritonFlashAttention", _triton_flash_forwar
 TRITON_KERNELS["pallas_flash_attention_vjp"] = ("PallasTritonFlashAttentionVjp", _triton_flash_vjp_flops)
 
 
-def triton_flops(ins):
-    """(tokamax op, FLOPs of one call) of a Triton custom call by its kernel's name and operand shapes, or None."""
+def triton_kernel(ins):
+    """The kernel name of a Triton custom call (from its backend config), or None."""
     name = re.search(r'[{,]\s*name = "([^"]+)"', ins.attributes)
+    return name.group(1) if name else None
+
+
+def kernel_operands(ins):
+    """The operand shapes (with their dtypes) of a custom call's operand_layout_constraints, or None."""
     start = ins.attributes.find("operand_layout_constraints={")
-    if not name or name.group(1) not in TRITON_KERNELS or start < 0:
+    if start < 0:
         return None
     start += len("operand_layout_constraints=")
-    operands = [dims(p) for p in hlo.split_top(ins.attributes[start + 1:hlo.balanced(ins.attributes, start) - 1])]
-    op, flops = TRITON_KERNELS[name.group(1)]
-    return op, flops(operands, dims(ins.shape))
+    return hlo.split_top(ins.attributes[start + 1:hlo.balanced(ins.attributes, start) - 1])
+
+
+def triton_flops(ins):
+    """(tokamax op, FLOPs of one call) of a Triton custom call by its kernel's name and operand shapes, or None."""
+    name, operands = triton_kernel(ins), kernel_operands(ins)
+    if name not in TRITON_KERNELS or operands is None:
+        return None
+    op, flops = TRITON_KERNELS[name]
+    return op, flops([dims(p) for p in operands], dims(ins.shape))
+
+
+def _weight_gradient(ins):
+    """Whether a tokamax custom call is the grouped GEMM with a ragged contracting dimension (the routed experts'
+    weight gradient): by its Triton kernel's name, or by its op's dimension numbers (no group dimension)."""
+    return (triton_kernel(ins) == "_ragged_contracting_dim_dot_kernel"
+            or '"rhs_group_dimensions":[]' in ins.op_name.replace(" ", ""))
 
 
 def kernel_flops(op_name):
@@ -148,10 +171,12 @@ class Matmul:
     kind: str  # "dot" | "cublas" | "cublas-fp8" | "cudnn-mxfp8" | a tokamax kernel's op class
     cloned: bool = False  # inside an instruction XLA's rematerialization cloned (*.remat*)
     times: int = 1  # executions per step
+    fp8_operands: bool = False  # a kernel (tokamax's grouped GEMM) whose operands are FP8
+    weight_gradient: bool = False  # tokamax's ragged-contracting grouped GEMM: the routed experts' weight gradient
 
     @property
     def fp8(self):
-        return self.kind in FP8_KINDS
+        return self.kind in FP8_KINDS or self.fp8_operands
 
     @property
     def component(self):
@@ -216,7 +241,10 @@ class Counter:
             kernel = kernel_flops(ins.payload) or kernel_flops(ins.op_name) or triton_flops(ins)
             if kernel:
                 out.counted_kernels[kernel[0]] = out.counted_kernels.get(kernel[0], 0) + times
-                return [Matmul(kernel[1] * times, ins.op_name, kernel[0], here)]
+                operands = kernel_operands(ins) or []
+                return [Matmul(kernel[1] * times, ins.op_name, kernel[0], here, times,
+                               fp8_operands=any(o.startswith("f8") for o in operands[:3]),
+                               weight_gradient=_weight_gradient(ins))]
             if any(h in target.lower() for h in KERNEL_HINTS):
                 out.kernels[target] = out.kernels.get(target, 0) + times
             return []
@@ -251,17 +279,23 @@ def count(text):
 
 
 def fp8_share(matmuls, quantized):
-    """{"asked", "fp8", "asked_flops", "fp8_flops", "not_fp8": [(component, kind, op name), ...],
+    """{"asked", "fp8", "asked_flops", "fp8_flops", "kernels": {component: {kernel: executions}} of the FP8 ones,
+    "not_fp8": [(component, kind, op name), ...],
     "bf16_by_design": executions}: the GEMM executions of the `quantized` parts, how many ran as FP8 kernels,
-    and the others (the routed experts' tokamax grouped GEMM counted apart: BF16 by design)."""
+    and the others (the routed experts' weight gradient in tokamax's grouped GEMM counted apart: BF16 by design,
+    its ragged-contracting kernel has no FP8 path)."""
     parts = [m for m in matmuls if m.component in quantized]
-    by_design = [m for m in parts if "RaggedDot" in m.kind]
-    asked = [m for m in parts if "RaggedDot" not in m.kind]
+    by_design = [m for m in parts if m.weight_gradient and not m.fp8]
+    asked = [m for m in parts if not (m.weight_gradient and not m.fp8)]
     fp8 = [m for m in asked if m.fp8]
     missed = list(dict.fromkeys((m.component, m.kind, m.op_name) for m in asked if not m.fp8))
+    kernels = {}
+    for m in fp8:
+        kernels.setdefault(m.component, {}).setdefault(m.kind, 0)
+        kernels[m.component][m.kind] += m.times
     return {"asked": sum(m.times for m in asked), "fp8": sum(m.times for m in fp8),
             "asked_flops": sum(m.flops for m in asked), "fp8_flops": sum(m.flops for m in fp8),
-            "not_fp8": [list(k) for k in missed], "bf16_by_design": sum(m.times for m in by_design)}
+            "kernels": kernels, "not_fp8": [list(k) for k in missed], "bf16_by_design": sum(m.times for m in by_design)}
 
 
 def audit(text, model_flops, multiples=None, quantized=()):
@@ -358,10 +392,12 @@ def format_audit(report):
             f"{k} x{v}" for k, v in sorted(report["unreadable_kernels"].items())))
     share = report.get("fp8")
     if share:
-        by_design = f"; the routed experts' grouped GEMM x{share['bf16_by_design']} in BF16 by design (no FP8 " \
-            "backward for it yet)" if share["bf16_by_design"] else ""
+        by_design = f"; the routed experts' weight gradient x{share['bf16_by_design']} in BF16 by design " \
+            "(tokamax's ragged-contracting grouped GEMM has no FP8 path)" if share["bf16_by_design"] else ""
         lines.append(f"FP8 GEMMs: {share['fp8']} of {share['asked']} asked ({_pflop(share['fp8_flops'])} of "
                      f"{_pflop(share['asked_flops'])}){by_design}")
+        lines += [f"  FP8 {component}: " + ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
+                  for component, kinds in sorted(share.get("kernels", {}).items())]
         lines += [f"  not FP8: {component} {kind} ({op_name})" for component, kind, op_name in share["not_fp8"][:8]]
     lines += [f"WARNING: compiled work: {w}" for w in report["warnings"]]
     return lines

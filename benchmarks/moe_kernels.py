@@ -31,8 +31,9 @@ IMPLEMENTATIONS = ("capacity", "xla", "tokamax")
 SMALL = dict(rows=2048, experts=8, emb=256, mlp=128)
 
 
-def expert_block(impl, on):
-    """loss(rows, wi_0, wi_1, wo, sizes) of one expert SwiGLU block through `impl`, for devices of platform `on`."""
+def expert_block(impl, on, numerics=None):
+    """loss(rows, wi_0, wi_1, wo, sizes) of one expert SwiGLU block through `impl`, for devices of platform `on`,
+    under `numerics` (a models/matmul.Numerics; default BF16)."""
     import jax
     import jax.numpy as jnp
 
@@ -42,31 +43,41 @@ def expert_block(impl, on):
 
     def loss(rows, wi_0, wi_1, wo, sizes):
         capacity = rows.shape[0] // wi_0.shape[0] if impl == "capacity" else 0
-        mm = lambda a, w: matmul.grouped(a, w, sizes, capacity, kernel, matmul.Numerics())  # noqa: E731
+        mm = lambda a, w: matmul.grouped(a, w, sizes, capacity, kernel, numerics or matmul.Numerics())  # noqa: E731
         h = jax.nn.silu(mm(rows, wi_0)) * mm(rows, wi_1)
         return jnp.sum(mm(h, wo).astype(jnp.float32))
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))  # the value too: every forward matmul is live
 
 
+def expert_rows(tokens):
+    """(rows in a device's expert buffer, its balanced share) for `tokens` tokens per device."""
+    balanced = tokens * TOP_K * EP // EP  # gathered choices over the 8 ranks, 1/8 of them local
+    return int(FACTOR * balanced) // LOCAL_EXPERTS * LOCAL_EXPERTS, balanced
+
+
+def expert_arguments(tokens, device):
+    """ShapeDtypeStructs (rows, wi_0, wi_1, wo, sizes) of one expert block on `device`."""
+    import jax
+    import jax.numpy as jnp
+
+    s = jax.sharding.SingleDeviceSharding(device)
+    shape = lambda *d, dt=jnp.bfloat16: jax.ShapeDtypeStruct(d, dt, sharding=s)  # noqa: E731
+    return (shape(expert_rows(tokens)[0], EMB), shape(LOCAL_EXPERTS, EMB, MOE_MLP),
+            shape(LOCAL_EXPERTS, EMB, MOE_MLP), shape(LOCAL_EXPERTS, MOE_MLP, EMB), shape(LOCAL_EXPERTS, dt=jnp.int32))
+
+
 def compiled(impl, tokens, devices):
     """(compiled matmul FLOPs, ideal FLOPs, temp bytes, argument bytes) of one expert block on one device."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from MaxOffload import audit
     from MaxOffload.models import kernels
 
-    balanced = tokens * TOP_K * EP // EP  # gathered choices over the 8 ranks, 1/8 of them local
-    rows = int(FACTOR * balanced) // LOCAL_EXPERTS * LOCAL_EXPERTS
-    mesh = jax.sharding.Mesh(devices[:1], ("x",))
-    s = NamedSharding(mesh, PartitionSpec())
-    shape = lambda *d, dt=jnp.bfloat16: jax.ShapeDtypeStruct(d, dt, sharding=s)  # noqa: E731
-    args = (shape(rows, EMB), shape(LOCAL_EXPERTS, EMB, MOE_MLP), shape(LOCAL_EXPERTS, EMB, MOE_MLP),
-            shape(LOCAL_EXPERTS, MOE_MLP, EMB), shape(LOCAL_EXPERTS, dt=jnp.int32))
+    rows, balanced = expert_rows(tokens)
     with kernels.lowering(devices[0]):
-        c = jax.jit(expert_block(impl, kernels.platform(devices[0]))).lower(*args).compile()
+        step = jax.jit(expert_block(impl, kernels.platform(devices[0])))
+        c = step.lower(*expert_arguments(tokens, devices[0])).compile()
     m = c.memory_analysis()
     ideal = 2 * balanced * EMB * MOE_MLP * 3 * 3
     return {"rows": rows, "balanced_rows": balanced, "compiled_flops": audit.count(c.as_text()).total,

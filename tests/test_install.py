@@ -15,9 +15,11 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
-# the project's own modules, and the test modules that other tests import from (tests/ is on their path)
+# the project's own modules, the test modules that other tests import from (tests/ is on their path), and the
+# helper scripts that import each other (a script's own folder, tests/helpers/, is on its path)
 LOCAL = {"MaxOffload", "benchmarks", "conftest", "train", "helpers"} | {
-    os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tests", "test_*.py"))}
+    os.path.basename(p)[:-3] for pattern in ("test_*.py", "helpers/*.py")
+    for p in glob.glob(os.path.join(ROOT, "tests", pattern))}
 
 
 def imported_modules(paths):

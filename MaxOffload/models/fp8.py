@@ -21,15 +21,17 @@ import jax
 import jax.numpy as jnp
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.models import kernels
 from MaxOffload.offload import names
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TINY = 1e-12  # an all-zero tensor's amax: its scale stays finite
 
 
-def quantize(x, dtype):
-    """(x / scale as `dtype`, scale): per-tensor current scaling, scale = amax(|x|) / dtype's max (float32)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+def quantize(x, dtype, axes=None):
+    """(x / scale as `dtype`, scale): current scaling, scale = amax(|x|) / dtype's max (float32); per tensor, or
+    with `axes` one scale per slice over those axes (kept as size-1 axes)."""
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None).astype(jnp.float32)
     scale = jnp.maximum(amax, TINY) / float(jnp.finfo(dtype).max)
     return (x.astype(jnp.float32) / scale).astype(dtype), scale
 
@@ -93,6 +95,50 @@ def einsum_mxfp8(spec, x, w):
 
 
 EINSUMS = {"fp8": einsum_fp8, "mxfp8": einsum_mxfp8}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ragged_dot_fp8(kernel, rows, w, sizes):
+    """The routed experts' dropless grouped GEMM in FP8 (both FP8 modes): rows [R, K] x w [E, K, N] -> [R, N]
+    (models/kernels.ragged_dot, `kernel` its grouped-GEMM kernel), rows scaled per row and the weights per
+    expert to float8_e4m3fn, the form tokamax's Triton kernel multiplies in FP8. tokamax's own VJP refuses
+    quantized operands, so this is the backward: the rows' gradient an FP8 grouped GEMM too (the incoming
+    gradient e4m3 per row: the kernel cannot mix e5m2 with e4m3), the weight gradient in BF16 (tokamax's
+    ragged-contracting kernel dequantizes whatever it is given) from the FP8 rows kept for it."""
+    return _ragged_forward(kernel, rows, w, sizes)[0]
+
+
+def _ragged_forward(kernel, rows, w, sizes):
+    (xq, sx), (wq, sw) = quantize(rows, E4M3, axes=1), quantize(w, E4M3, axes=(1, 2))
+    return kernels.ragged_dot(xq, wq, sizes, kernel, (sx, sw), rows.dtype), (xq, sx, wq, sw, sizes)
+
+
+def _ragged_backward(kernel, residuals, g):
+    xq, sx, wq, sw, sizes = residuals
+    gq, sg = quantize(g, E4M3, axes=1)
+    rows = kernels.ragged_dot(gq, wq.transpose(0, 2, 1), sizes, kernel, (sg, sw), g.dtype)
+    weights = kernels.ragged_weight_gradient(dequantize(xq, sx, g.dtype), g, sizes, kernel)
+    return summed_like(rows, xq), summed_like(weights, wq), None
+
+
+def summed_like(cotangent, primal):
+    """`cotangent` summed over the manual mesh axes (inside a shard_map) along which it varies and `primal` does
+    not: what autodiff's transpose of the primal's implicit broadcast (pvary) does, which a custom VJP must do
+    itself (the experts' weights vary over the expert and tensor axes, their gradient over every axis of the
+    rows too; the rows' gradient is a partial sum over the tensor-split weight columns)."""
+    extra = tuple(sorted(_varying(cotangent) - _varying(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
+def _varying(x):
+    """The manual mesh axes along which `x` varies (jax >= 0.10 types them as `manual_axis_type.varying`; older
+    jax called them `vma`); empty outside a shard_map."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+ragged_dot_fp8.defvjp(_ragged_forward, _ragged_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -101,16 +101,43 @@ def _import_tokamax():
     return tokamax
 
 
-def ragged_dot(lhs, rhs, group_sizes, kernel):
+def ragged_dot(lhs, rhs, group_sizes, kernel, scales=None, dtype=None):
     """lhs [R, K] x rhs [E, K, N] -> [R, N]: row r times the group whose `group_sizes` [E] span holds it; rows
-    past sum(group_sizes) give zeros. `kernel`: from grouped_gemm_for()."""
+    past sum(group_sizes) give zeros. `kernel`: from grouped_gemm_for(). `scales` (lhs's [R, 1], rhs's [E, 1, 1]):
+    lhs and rhs hold FP8 values that those scales multiply back (models/fp8.ragged_dot_fp8); tokamax takes them
+    as qwix QArrays and its Triton kernel multiplies the FP8 operands (FP8 tensor cores on Blackwell), XLA's
+    ragged_dot their dequantized float32 values; the result in `dtype`."""
+    if scales is not None:
+        if kernel == "xla":
+            lhs, rhs = (q.astype(jax.numpy.float32) * s for q, s in zip((lhs, rhs), scales))
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes).astype(dtype)
+        import qwix  # tokamax's own dependency
+
+        lhs, rhs = (qwix.QArray(q, s, qtype=q.dtype) for q, s in zip((lhs, rhs), scales))
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
-    out = _import_tokamax().ragged_dot(lhs, rhs, group_sizes, implementation=kernel.split(":", 1)[1])
+    out = _import_tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=dtype,
+                                       implementation=kernel.split(":", 1)[1])
     # the Triton kernel writes only the rows inside the groups; the rest of its output is whatever the buffer
     # held. Zero them, as jax.lax.ragged_dot does, so no consumer can ever see stale values (a fused select)
     inside = jax.numpy.arange(lhs.shape[0]) < group_sizes.sum()
     return jax.numpy.where(inside[:, None], out, 0).astype(out.dtype)
+
+
+# lhs [R, K] and dout [R, N], both ragged along R, contracted per group -> [E, K, N] (a weight gradient)
+RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                       lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def ragged_weight_gradient(lhs, dout, group_sizes, kernel):
+    """The weight gradient of ragged_dot: per group e, lhs[rows of e].T @ dout[rows of e] -> [E, K, N] in lhs's
+    dtype (tokamax's ragged-contracting kernel on GPUs)."""
+    if kernel == "xla":
+        return jax.lax.ragged_dot_general(lhs, dout, group_sizes, RAGGED_CONTRACTING,
+                                          preferred_element_type=jax.numpy.float32).astype(lhs.dtype)
+    return _import_tokamax().ragged_dot_general(lhs, dout, group_sizes, RAGGED_CONTRACTING,
+                                                preferred_element_type=lhs.dtype,
+                                                implementation=kernel.split(":", 1)[1])
 
 
 def flash_attention(q, k, v, scale, kernel, q_sharding=None):

@@ -6,8 +6,8 @@ output head (`dense`) and the routed experts' grouped GEMM (`grouped`). Each cal
 accumulated and returned in float32. `fp8` / `mxfp8` (quant.mode): the GEMMs of the parts it names (by default
 the attention projections, the MLPs and shared experts, the routed experts) through models/fp8.py; the embedding,
 output head, router, norms and attention scores stay as in bf16 (as DeepSeek-V3 trained). The routed experts'
-dropless grouped GEMM (tokamax ragged_dot) stays BF16: no FP8 grouped GEMM with a backward exists for it yet;
-their capacity-mode batched GEMM is quantized per tensor (fp8) in both FP8 modes. `Numerics.tag` tags activations
+dropless grouped GEMM (tokamax ragged_dot) is quantized per row and per expert in both FP8 modes
+(models/fp8.ragged_dot_fp8: its weight gradient in BF16), their capacity-mode batched GEMM per tensor (fp8). `Numerics.tag` tags activations
 for the remat/offload policies, keeping the names of quant.fp8_storage in FP8.
 
 Every call runs under jax.named_scope(SCOPE), so a test finds every weight matmul of a traced step
@@ -86,4 +86,6 @@ def grouped(rows, w, sizes, capacity, kernel, numerics):
             else:
                 out = jnp.einsum("egk,ekn->egn", groups, w)
             return out.reshape(-1, w.shape[-1])
+        if numerics.quantized(components.EXPERTS):
+            return fp8.ragged_dot_fp8(kernel, rows.astype(w.dtype), w, sizes)
         return kernels.ragged_dot(rows, w, sizes, kernel)
