@@ -17,6 +17,14 @@ GB = 10**9
 # that H200 reached 0.8 (a bf16 8192^3 matmul, 790 of 989 TFLOP/s) and 0.9 (a device copy, 4.3 of 4.8 TB/s): a
 # training step's kernels reach less. The link share applies to the host link, NVLink and the network alike; it was
 # measured on PCIe only.
+def mixed_peak(bf16_peak, fp8_peak, flops, fp8_flops):
+    """The peak FLOP/s MFU counts against when `fp8_flops` of `flops` run at `fp8_peak` and the rest at
+    `bf16_peak`: the time-weighted (harmonic) mean, so MFU stays the share of the step's peak time."""
+    if not fp8_flops:
+        return bf16_peak
+    return flops / ((flops - fp8_flops) / bf16_peak + fp8_flops / fp8_peak)
+
+
 CALIBRATION = {"matmul_efficiency": 0.45, "hbm_efficiency": 0.8, "link_efficiency": 0.45}
 
 
@@ -41,6 +49,10 @@ class Accelerator:
     nvlink_bandwidth: float = 450 * GB  # NVLink 4: 900 GB/s bidirectional
     network_bandwidth: float = 50 * GB
     nvlink_domain: int = 8  # GPUs one NVLink domain joins (the rest talk over the network)
+
+    def peak_for(self, flops, fp8_flops):
+        """The peak FLOP/s that `flops` of work count against when `fp8_flops` of them run in FP8 (mixed_peak)."""
+        return mixed_peak(self.bf16_peak_flops, self.fp8_peak_flops, flops, fp8_flops)
 
     @property
     def fp8_peak_flops(self):

@@ -421,11 +421,8 @@ def summarize(sim, step, model_flops_per_device=None):
 def mixed_peak(rates, report):
     """The peak FLOP/s MFU counts against: BF16's for the step's BF16 GEMMs, FP8's (fp8_matmul_flops over
     matmul_flops times BF16's) for its FP8 GEMMs, weighted by their FLOPs; BF16's when it has no FP8 GEMM."""
-    total, fp8 = report["compiled_matmul_flops"], report["fp8_matmul_flops"]
-    if not fp8:
-        return rates.peak_flops
     fp8_peak = rates.peak_flops * (rates.fp8_matmul_flops or 2 * rates.matmul_flops) / rates.matmul_flops
-    return total / ((total - fp8) / rates.peak_flops + fp8 / fp8_peak)
+    return hardware.mixed_peak(rates.peak_flops, fp8_peak, report["compiled_matmul_flops"], report["fp8_matmul_flops"])
 
 
 def of_compiled(compiled, setup, rates):

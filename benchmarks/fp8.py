@@ -44,7 +44,7 @@ def mla_projections(numerics):
         mm = lambda a, w: matmul.dense(a, w, None, components.PROJECTIONS, numerics)  # noqa: E731
         q = mm(mm(x, q_a), q_b)
         kv = mm(mm(x, kv_a)[:, :KV_LORA], kv_b)
-        return sum(jnp.sum(t.astype(jnp.float32)) for t in (q, kv, mm(attended, o)))
+        return sum(jnp.sum(jnp.square(t.astype(jnp.float32))) / 2 for t in (q, kv, mm(attended, o)))  # (moe_kernels)
 
     return jax.value_and_grad(loss, argnums=tuple(range(7)))
 
@@ -92,14 +92,14 @@ def chart(rows, path):
     import matplotlib.pyplot as plt
 
     fig, (ax_share, ax_temp) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r['block']}\n{r['mode']}" for r in rows]
+    labels = [f"{r['block'].split()[-1]}\n{r['mode']}" for r in rows]  # dropless / capacity / projections
     ax_share.bar(labels, [100 * r["fp8_share"] for r in rows], color="tab:blue")
     ax_share.set_ylabel("FP8 share of compiled matmul FLOPs (%)")
     ax_share.set_ylim(0, 100)
     ax_temp.bar(labels, [r["temp_bytes"] / 2**20 for r in rows], color="tab:orange")
     ax_temp.set_ylabel("temporaries per device (MiB)")
     for ax in (ax_share, ax_temp):
-        ax.tick_params(axis="x", labelsize=6)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=90)
     fig.suptitle("DeepSeek-V3 expert and MLA GEMMs per quant.mode, fwd+bwd (deviceless)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

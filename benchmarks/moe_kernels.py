@@ -45,7 +45,9 @@ def expert_block(impl, on, numerics=None):
         capacity = rows.shape[0] // wi_0.shape[0] if impl == "capacity" else 0
         mm = lambda a, w: matmul.grouped(a, w, sizes, capacity, kernel, numerics or matmul.Numerics())  # noqa: E731
         h = jax.nn.silu(mm(rows, wi_0)) * mm(rows, wi_1)
-        return jnp.sum(mm(h, wo).astype(jnp.float32))
+        # half the sum of squares, not the sum: its gradient is the output, not a constant XLA could fold into
+        # the backward (an FP8 backward would quantize a constant)
+        return jnp.sum(jnp.square(mm(h, wo).astype(jnp.float32))) / 2
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))  # the value too: every forward matmul is live
 

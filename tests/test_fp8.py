@@ -145,3 +145,26 @@ def test_the_dropless_fp8_grouped_gemm_and_its_gradients_stay_near_bf16(kernel):
     for a, b in pairs:
         assert 0 < float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.08
     assert float(jnp.abs(got[32:]).max()) == 0 and float(jnp.abs(got_vjp(cotangent)[0][32:]).max()) == 0
+
+
+@pytest.mark.once
+def test_the_trainers_mfu_counts_the_fp8_parts_against_the_fp8_peak(monkeypatch, tmp_path):
+    """On a GB200 (its lookup faked: this machine has none) an fp8 run's MFU peak is the FLOP-weighted harmonic
+    mean of the FP8 peak for the model FLOPs of the quantized parts and BF16's for the rest (the embedding, head
+    and attention scores); a bf16 run's is BF16's."""
+    from MaxOffload import hardware
+    from MaxOffload.models import components
+    from MaxOffload.train import flops, trainer
+
+    gb200 = hardware.ACCELERATORS["gb200"]
+    monkeypatch.setattr(trainer.hardware, "lookup", lambda kind: gb200)
+    peaks = {}
+    for mode in ("bf16", "fp8"):
+        cfg = load([*LLAMA, *SMALL, f"quant.mode={mode}", f"run.output_dir={tmp_path / mode}"])
+        peaks[mode] = trainer.peak_flops_per_device(cfg, from_config.train_setup(cfg))
+    work = flops.by_component(from_config.train_setup(cfg).model_config, 1, 32)
+    fp8 = sum(work[p] for p in (components.PROJECTIONS, components.MLP))
+    assert 0 < fp8 < sum(work.values())
+    assert peaks["bf16"] == gb200.bf16_peak_flops
+    assert peaks["fp8"] == pytest.approx(sum(work.values()) / (
+        (sum(work.values()) - fp8) / gb200.bf16_peak_flops + fp8 / (2 * gb200.bf16_peak_flops)), rel=1e-12)

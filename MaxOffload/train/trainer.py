@@ -18,7 +18,7 @@ from MaxOffload import from_config, hardware
 from MaxOffload.models import kernels
 from MaxOffload.config.loader import describe
 from MaxOffload.errors import ConfigError
-from MaxOffload.train.flops import train_flops_per_step
+from MaxOffload.train.flops import by_component, train_flops_per_step
 from MaxOffload.train.checkpoint import Checkpointer, load_params
 from MaxOffload.errors import NonFiniteError
 from MaxOffload.offload import xla_bugs
@@ -52,11 +52,18 @@ def _count(n):
     return _human(n, suffixes=("", "K", "M", "B", "T"), digits=4)
 
 
-def peak_flops_per_device(cfg):
+def peak_flops_per_device(cfg, setup):
+    """The peak FLOP/s MFU counts against: hardware.peak_tflops_per_device when set, else the device's BF16 peak,
+    or with quant.mode the FP8 peak for the model FLOPs of the parts it runs in FP8 (hardware.mixed_peak);
+    None for a device of unknown peak."""
     if cfg.hardware.peak_tflops_per_device is not None:
         return cfg.hardware.peak_tflops_per_device * 1e12
     accelerator = hardware.lookup(jax.devices()[0].device_kind)
-    return accelerator.bf16_peak_flops if accelerator else None
+    if accelerator is None:
+        return None
+    work = by_component(setup.model_config, 1, cfg.train.seq_len)
+    return accelerator.peak_for(sum(work.values()),
+                                sum(f for part, f in work.items() if setup.numerics.quantized(part)))
 
 
 def lock_output_dir(cfg, process_count, lead):
@@ -418,7 +425,8 @@ class Hooks:
         cfg, say = training.cfg, training.say
         self.training, self.loop, self.checkpointer, self.logger, self.window = training, loop, checkpointer, logger, window
         self.evaluate, self.say, self.cfg = evaluate, say, cfg
-        self.clock = StepClock(training.summary, cfg.train.seq_len, peak_flops_per_device(cfg), logger)
+        self.clock = StepClock(training.summary, cfg.train.seq_len, peak_flops_per_device(cfg, training.setup),
+                               logger)
         self.health = Health(cfg.train.on_nonfinite, cfg.train.loss_spike_factor, say)
         loop.add_metrics_hook(self.clock)
         loop.add_metrics_hook(self.health)
