@@ -1,5 +1,6 @@
 """The offload planner (remat.policy=auto): cost model, search, override lines, caching, and the two
 validations — predicted HBM against the deviceless GB200 compile, predicted step-time order on CPU."""
+import dataclasses
 import math
 
 import pytest
@@ -303,3 +304,24 @@ def test_every_tagged_name_has_a_recompute_cost_and_a_missing_one_is_an_error():
     assert costs_lib.contraction(Partial(), "decoder", "query_proj", 64) == 8
     with pytest.raises(PlanError, match="tags 'mlpwo' but its recompute-cost table"):
         costs_lib.contraction(Partial(), "decoder", "mlpwo", 64)
+
+
+def test_the_cost_model_times_the_fp8_parts_gemms_at_the_fp8_rate(tmp_path):
+    """quant.mode=fp8 (projections, MLPs, routed experts): recomputing the gate projection and the forward of its
+    GEMMs take half the time at twice the rate; attention's output (no weight GEMM) and bf16 keep the BF16 rate."""
+    cost_model = costs_lib.cost_model
+    cfg = load([*TINY, f"run.output_dir={tmp_path}"])
+    mc = from_config.train_setup(cfg).model_config
+    tensors = {name: {"bytes_per_device_per_step": 2 * 2**20, "dtype": "bfloat16", "result": "saved"}
+               for name in ("mlpwi_0", "attention_out")}
+    groups = {"decoder": {"model_group": "decoder", "layers": (0, 1), "tensors": tensors}}
+    m = dataclasses.replace(_machine(1e12), hbm_bandwidth=1e18, fp8_peak_flops=2e12)  # GEMMs bound by FLOPs
+    found = {}
+    for mode in ("bf16", "fp8"):
+        numerics = from_config.train_setup(load([*TINY, f"quant.mode={mode}", f"run.output_dir={tmp_path}"])).numerics
+        candidates, costs = cost_model(mc, groups, m, cfg.train.seq_len, numerics=numerics)
+        found[mode] = ({c.name: c.recompute_s for c in candidates}, costs["decoder"])
+    (bf16, bf16_group), (fp8, fp8_group) = found["bf16"], found["fp8"]
+    assert fp8["mlpwi_0"] == pytest.approx(bf16["mlpwi_0"] / 2) and fp8["attention_out"] == bf16["attention_out"]
+    gate = next(c for c in cost_model(mc, groups, m, cfg.train.seq_len)[0] if c.name == "mlpwi_0").recompute_flops
+    assert fp8_group.forward_s == pytest.approx(bf16_group.forward_s - gate / 2 / m.peak_flops)

@@ -266,7 +266,8 @@ class MLA(nnx.Module):
     @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
         nope = self.nope
-        project = lambda spec, a, w: matmul.dense(a, w[...], spec, components.PROJECTIONS, self.numerics)  # noqa: E731
+        project = lambda spec, a, w: matmul.dense(a, matmul.weight(w, self.numerics, self.layout), spec,  # noqa: E731
+                                                  components.PROJECTIONS, self.numerics)
         q_latent = self.numerics.tag(project(None, x, self.wq_a), names.QUERY_WA_PROJ)
         q_latent = self.numerics.tag(self.q_norm(q_latent), names.MLA_Q)
         q = self.numerics.tag(project("blr,rhd->blhd", q_latent, self.wq_b), names.QUERY_PROJ)
@@ -338,7 +339,8 @@ class MTPLayer(nnx.Module):
     def __call__(self, h, positions, next_embeds):
         with jax.named_scope(components.PROJECTIONS):
             joined = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h)], axis=-1)
-            x = matmul.dense(joined, self.eh_proj[...], None, components.PROJECTIONS, self.numerics)
+            x = matmul.dense(joined, matmul.weight(self.eh_proj, self.numerics, self.layout), None,
+                             components.PROJECTIONS, self.numerics)
             x = self.layout.constrain(x, BATCH_LENGTH_EMBED)
         out = self.block(x, positions)
         x, stats = out if isinstance(out, tuple) else (out, {})

@@ -128,7 +128,8 @@ class Attention(nnx.Module):
 
     @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
-        project = lambda spec, a, w: matmul.dense(a, w[...], spec, components.PROJECTIONS, self.numerics)  # noqa: E731
+        project = lambda spec, a, w: matmul.dense(a, matmul.weight(w, self.numerics, self.layout), spec,  # noqa: E731
+                                                  components.PROJECTIONS, self.numerics)
         q = self.numerics.tag(project("ble,ehd->blhd", x, self.wq), names.QUERY_PROJ)
         k = self.numerics.tag(project("ble,ehd->blhd", x, self.wk), names.KEY_PROJ)
         v = self.numerics.tag(project("ble,ehd->blhd", x, self.wv), names.VALUE_PROJ)
@@ -149,7 +150,8 @@ class SwiGLU(nnx.Module):
 
     @components.scoped(components.MLP)
     def __call__(self, x):
-        mlp = lambda a, w: matmul.dense(a, w[...], None, components.MLP, self.numerics)  # noqa: E731
+        mlp = lambda a, w: matmul.dense(a, matmul.weight(w, self.numerics, self.layout), None,  # noqa: E731
+                                        components.MLP, self.numerics)
         gate = self.numerics.tag(mlp(x, self.wi_0), names.MLPWI_0)
         up = self.numerics.tag(mlp(x, self.wi_1), names.MLPWI_1)
         out = mlp(jax.nn.silu(gate) * up, self.wo)

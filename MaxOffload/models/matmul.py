@@ -55,6 +55,14 @@ class Numerics:
         return jnp.float32 if part == components.UNEMBED else None
 
 
+def weight(param, numerics, layout):
+    """A weight parameter's value for its matmul: as stored, or under mxfp8 with its whole contraction on every
+    device (parallel/layout.gathered). jax's block-scaled dot partitions its e8m0 scales only along whole blocks
+    of 32 (an FSDP split of 7168 over 128 devices is 56 a device: IndivisibleError) and otherwise all-reduces
+    them, which NCCL cannot (no f8e8m0fnu); FSDP all-gathers the weight for the GEMM in any case."""
+    return layout.gathered(param) if numerics.mode == "mxfp8" else param[...]
+
+
 def dense(x, w, spec, part, numerics):
     """einsum(spec, x, w) of activation x and weight w, for model part `part`, under the numerics policy; spec None:
     x @ w (the last axis of x against the first of w)."""

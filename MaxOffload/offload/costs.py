@@ -10,6 +10,7 @@ import math
 import os
 
 from MaxOffload.errors import PlanError
+from MaxOffload.models import components
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
@@ -71,6 +72,11 @@ class Machine:
     gpu: bool
     overlap: float = 1.0  # share of a layer's compute the search assumes copies hide under (ASSUMED_OVERLAP)
     save_s_per_byte: float = 0.0  # step time a stored byte costs (written in the forward, read in the backward)
+    fp8_peak_flops: float = None  # achievable in FP8 GEMMs (quant.mode); None: peak_flops
+
+    def rate(self, fp8):
+        """Achievable FLOP/s of a GEMM, in FP8 or not."""
+        return (self.fp8_peak_flops or self.peak_flops) if fp8 else self.peak_flops
 
 
 def machine(accelerator, mem_fraction, host_state_bytes=0):
@@ -82,7 +88,8 @@ def machine(accelerator, mem_fraction, host_state_bytes=0):
                    accelerator.bf16_peak_flops * CALIBRATION["matmul_efficiency"], hbm,
                    accelerator.host_link_bandwidth * CALIBRATION["link_efficiency"],
                    accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True,
-                   ASSUMED_OVERLAP[accelerator.host_link.split()[0]], 2 / hbm)
+                   ASSUMED_OVERLAP[accelerator.host_link.split()[0]], 2 / hbm,
+                   accelerator.fp8_peak_flops * CALIBRATION["matmul_efficiency"])
 
 
 def cpu_machine():
@@ -111,27 +118,32 @@ def _score_ratio(model_config):
     return qk / v
 
 
-def cost_model(mc, groups, m, seq_len, pinned=None):
+def cost_model(mc, groups, m, seq_len, pinned=None, numerics=None):
     """(candidates, {group: GroupCost}) for the model configuration `mc` from placement.activation_groups'
-    entries (traced under full remat); `pinned` {name: decision}: what the user fixed (MaxOffload.from_config.pins)."""
+    entries (traced under full remat); `pinned` {name: decision}: what the user fixed (MaxOffload.from_config.pins);
+    `numerics` (models/matmul.Numerics): a GEMM of a part it runs in FP8 is timed at the machine's FP8 rate."""
     pinned = pinned or {}
     candidates, costs = [], {}
     for entry in groups.values():
         group, layers = entry["model_group"], entry["layers"][1] - entry["layers"][0] + 1
-        forward = 0.0
+        forward, forward_fp8 = 0.0, 0.0  # FLOPs; of them in FP8 GEMMs
         for name, t in entry["tensors"].items():
             per_layer = t["bytes_per_device_per_step"] // layers
             elements = per_layer / _itemsize(t["dtype"])
             flops = 2 * elements * contraction(mc, group, name, seq_len)
+            part = components.MADE_BY.get(name)
+            fp8 = numerics is not None and part is not None and numerics.quantized(part)
             forward += flops * (1 + _score_ratio(mc)) if name == names.ATTENTION_OUT else flops
+            forward_fp8 += flops if fp8 else 0.0
             if t["result"] in ("unused",):
                 continue  # the backward pass never reads it: nothing to decide
-            recompute_s = max(flops / m.peak_flops, 3 * per_layer / m.hbm_bandwidth)
+            recompute_s = max(flops / m.rate(fp8), 3 * per_layer / m.hbm_bandwidth)
             options = (DEVICE, OFFLOAD) if name in names.ALWAYS_KEPT else (REMAT, DEVICE, OFFLOAD)
             candidates.append(Candidate(group, name, layers, int(per_layer), flops, recompute_s,
                                         per_layer / m.host_link_bandwidth, options, pinned.get(name, ""),
                                         save_s=per_layer * m.save_s_per_byte))
-        costs[group] = GroupCost(group, layers, forward, forward / m.peak_flops)
+        costs[group] = GroupCost(group, layers, forward,
+                                 (forward - forward_fp8) / m.peak_flops + forward_fp8 / m.rate(True))
     return candidates, costs
 
 

@@ -229,7 +229,8 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
                          "(parameters and optimizer state, before any activation)")
     groups, _, _ = activation_groups(cfg, setup)
     mc = setup.model_config
-    candidates, costs = cost_model(mc, groups, m, cfg.train.seq_len, pinned=from_config.pins(cfg))
+    candidates, costs = cost_model(mc, groups, m, cfg.train.seq_len, pinned=from_config.pins(cfg),
+                                   numerics=setup.numerics)
     model_flops = sum(audit.model_flops_per_device(setup).values())
     tokens = cfg.train.per_device_batch_size * cfg.train.seq_len
     other_s = 6 * tokens * mc.emb_dim * mc.vocab_size / m.peak_flops
@@ -303,7 +304,8 @@ def check_prediction(cfg, target, topology):
     own = from_config.train_setup(cfg, devices)
     setup = own.with_plan(own.plan.uniform("full"))
     m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
-    model_candidates, _ = cost_model(setup.model_config, activation_groups(cfg, setup)[0], m, cfg.train.seq_len)
+    model_candidates, _ = cost_model(setup.model_config, activation_groups(cfg, setup)[0], m, cfg.train.seq_len,
+                                     numerics=setup.numerics)
     full_hbm, _ = compiled_memory(setup)
     saved_hbm, _ = compiled_memory(setup.with_plan(saved_plan(setup.plan, model_candidates)))
     model_candidates, base = with_recompute_hbm(model_candidates, full_hbm, saved_hbm)

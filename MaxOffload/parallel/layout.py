@@ -41,6 +41,17 @@ class ParallelLayout:
         """x placed by its logical axes (a sharding constraint); x itself without a mesh."""
         return x if self.mesh is None else jax.lax.with_sharding_constraint(x, self.sharding(axes))
 
+    def gathered(self, param):
+        """A parameter's value split only over its tensor-parallel mesh axes, all-gathered over the rest (fsdp, the
+        expert axis's data-parallel share of a dense weight): every device holds each weight GEMM's whole
+        contraction, what FSDP gathers for the GEMM anyway, as a constraint. The value itself without a mesh."""
+        value = param[...]
+        if self.mesh is None:
+            return value
+        axes = tuple(param.out_sharding)  # inside the scan over layers the value has lost the leading `layers` axis
+        spec = logical.keep_only(self.spec(axes[len(axes) - value.ndim:]), self.tensor)
+        return jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(self.mesh, spec))
+
     def mesh_axes(self, axis):
         """The mesh axes one logical axis is split over (() without a mesh)."""
         return () if self.mesh is None else logical.spec_axes(self.spec((axis,))[0])

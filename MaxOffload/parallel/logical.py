@@ -49,6 +49,11 @@ def spec_axes(entry):
     return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
+def keep_only(spec, mesh_axes):
+    """`spec` with each entry reduced to the mesh axes among `mesh_axes` (the dimension gathered over the rest)."""
+    return PartitionSpec(*(tuple(a for a in spec_axes(entry) if a in mesh_axes) or None for entry in spec))
+
+
 def ways(mesh, entry):
     """How many devices one PartitionSpec entry splits a dimension over."""
     return math.prod(mesh.shape[a] for a in spec_axes(entry))
