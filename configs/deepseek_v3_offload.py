@@ -26,8 +26,8 @@ DEVICE = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out", "ou
 
 
 def get_config(size="671b"):
-    if size.endswith("_mxfp8"):  # e.g. small_mxfp8: the same recipe with MXFP8 GEMMs (docs/fp8.md; 671b_mxfp8 does
-        #                           not compile on 2x16x4 yet: jax's block-scaled dot cannot partition its scales)
+    if size.endswith("_mxfp8"):  # e.g. small_mxfp8: the same recipe with MXFP8 GEMMs (docs/fp8.md; 671b_mxfp8 fits
+        #                           2x16x4 GB200 but is predicted slower than BF16 there: collective-bound)
         cfg = get_config(size[:-len("_mxfp8")])
         cfg.run.output_dir += "_mxfp8"
         cfg.quant.mode = "mxfp8"
