@@ -53,3 +53,27 @@ def write(out, name, lines, record):
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(record, f, indent=1)
     return os.path.join(out, f"{name}.md")
+
+
+def bar_pair(path, labels, panels, title):
+    """A chart of two bar panels over the same `labels`, written to `path`: `panels` is two (values, y label,
+    color, options) tuples, options {"log": True, "ylim": (lo, hi), "line": y of a dashed reference line}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (values, label, color, options) in zip(axes, panels):
+        ax.bar(labels, values, color=color)
+        ax.set_ylabel(label)
+        if options.get("log"):
+            ax.set_yscale("log")
+        if "ylim" in options:
+            ax.set_ylim(*options["ylim"])
+        if "line" in options:
+            ax.axhline(options["line"], color="gray", linestyle="--", linewidth=1)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=options.get("rotation", 0))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -19,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
-from benchmarks.common import start, write  # noqa: E402
+from benchmarks.common import bar_pair, start, write  # noqa: E402
 from benchmarks.moe_kernels import EMB, expert_arguments, expert_block  # noqa: E402
 
 # DeepSeek-V3's MLA: q_lora_rank, kv_lora_rank + qk_rope_head_dim, heads x (qk_nope + qk_rope), heads x (nope + v)
@@ -86,23 +86,12 @@ def compiled(block, mode, tokens, device):
 
 
 def chart(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_share, ax_temp) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"{r['block'].split()[-1]}\n{r['mode']}" for r in rows]  # dropless / capacity / projections
-    ax_share.bar(labels, [100 * r["fp8_share"] for r in rows], color="tab:blue")
-    ax_share.set_ylabel("FP8 share of compiled matmul FLOPs (%)")
-    ax_share.set_ylim(0, 100)
-    ax_temp.bar(labels, [r["temp_bytes"] / 2**20 for r in rows], color="tab:orange")
-    ax_temp.set_ylabel("temporaries per device (MiB)")
-    for ax in (ax_share, ax_temp):
-        ax.tick_params(axis="x", labelsize=7, labelrotation=90)
-    fig.suptitle("DeepSeek-V3 expert and MLA GEMMs per quant.mode, fwd+bwd (deviceless)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_pair(path, labels, [([100 * r["fp8_share"] for r in rows], "FP8 share of compiled matmul FLOPs (%)",
+                             "tab:blue", {"ylim": (0, 100), "rotation": 90}),
+                            ([r["temp_bytes"] / 2**20 for r in rows], "temporaries per device (MiB)", "tab:orange",
+                             {"rotation": 90})],
+             "DeepSeek-V3 expert and MLA GEMMs per quant.mode, fwd+bwd (deviceless)")
 
 
 @tool

@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from MaxOffload.cli import tool  # noqa: E402  (after the path, like a tool run from a checkout)
-from benchmarks.common import cpu_table, median_seconds, start, write  # noqa: E402
+from benchmarks.common import bar_pair, cpu_table, median_seconds, start, write  # noqa: E402
 
 LOCAL_EXPERTS, EMB, MOE_MLP, TOP_K, EP = 32, 7168, 2048, 8, 8
 FACTOR = 1.25
@@ -99,25 +99,12 @@ def cpu_time(impl):
 
 
 def chart(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_flops, ax_temp) = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{r['impl']}\n{r['tokens']} tok" for r in rows]
-    ax_flops.bar(labels, [r["compiled_flops"] / r["ideal_flops"] for r in rows], color="tab:blue")
-    ax_flops.axhline(FACTOR, color="gray", linestyle="--", linewidth=1)
-    ax_flops.set_ylabel("compiled / ideal matmul FLOPs")
-    ax_flops.set_yscale("log")
-    ax_temp.bar(labels, [r["temp_bytes"] / 2**30 for r in rows], color="tab:orange")
-    ax_temp.set_ylabel("temporaries per device (GiB)")
-    ax_temp.set_yscale("log")
-    for ax in (ax_flops, ax_temp):
-        ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle("DeepSeek-V3 routed experts at EP8, one MoE layer fwd+bwd (deviceless)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_pair(path, labels, [([r["compiled_flops"] / r["ideal_flops"] for r in rows], "compiled / ideal matmul FLOPs",
+                             "tab:blue", {"log": True, "line": FACTOR}),
+                            ([r["temp_bytes"] / 2**30 for r in rows], "temporaries per device (GiB)", "tab:orange",
+                             {"log": True})],
+             "DeepSeek-V3 routed experts at EP8, one MoE layer fwd+bwd (deviceless)")
 
 
 @tool
