@@ -357,7 +357,7 @@ def work_multiples(setup):
     if hasattr(c, "attention") and hasattr(c, "attention_dims"):
         _, _, qk_dim, v_dim = c.attention_dims()
         multiples[components.ATTENTION_SCORES] = layers.attention_work_multiple(c.attention, setup.seq_len,
-                                                                                qk_dim, v_dim)
+                                                                                qk_dim, v_dim, layout=setup.layout)
     return multiples
 
 

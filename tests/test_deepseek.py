@@ -40,6 +40,14 @@ EP_CAPACITY_RUNS = {
     "expert2_fsdp2_tensor2_capacity": ["mesh.ici.expert=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2",
                                        "model.capacity_factor=1.0"],
 }
+# context parallelism (MLA and multi-token prediction on): the keys and values gathered per context shard, with and
+# without the load-balanced layout
+CONTEXT_RUNS = {
+    "single_mtp": ["single", "model.mtp_depth=1"],
+    "context4_fsdp2_mtp": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "model.mtp_depth=1"],
+    "context8_balanced_mtp": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "mesh.context_load_balance=true",
+                              "model.mtp_depth=1"],
+}
 TRAIN_STEPS = 40
 
 
@@ -74,12 +82,14 @@ class Background:
 
 
 @pytest.fixture(scope="module")
-def background(tmp_path_factory):
+def background(tmp_path_factory, request):
     tmp = str(tmp_path_factory.mktemp("deepseek"))
     jobs = Background(tmp)
     helper = os.path.join(ROOT, "tests", "helpers", "deepseek_mesh_losses.py")
     jobs.start("ep", [helper, json.dumps(EP_RUNS)], EIGHT)
     jobs.start("ep_capacity", [helper, json.dumps(EP_CAPACITY_RUNS)], EIGHT)
+    if any("test_context_parallel" in item.nodeid for item in request.session.items):  # (py311 only in CI)
+        jobs.start("context", [helper, json.dumps(CONTEXT_RUNS)], EIGHT)
     jobs.start("recipe_128", ["train.py", "configs/deepseek_v3_offload.py:671b", "run.dry_run=true",
                               f"run.output_dir={tmp}/recipe"],
                {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=128"})
@@ -603,6 +613,21 @@ def test_expert_parallel_equals_single_device(ep_runs, name, reference):
         assert all(k.startswith("moe/dropped_fraction") and v == 0 for k, v in got.items() if k not in want), got
     np.testing.assert_allclose(run["router_bias"], ref["router_bias"], atol=1e-6)
     assert np.abs(np.asarray(ref["router_bias"])).max() > 0  # the biases did move
+
+
+@pytest.mark.parametrize("name", ["context4_fsdp2_mtp", "context8_balanced_mtp"])
+def test_context_parallel_mla_with_mtp_equals_single_device(background, name):
+    """MLA attention and multi-token prediction over a sequence split 4 (x fsdp 2) and 8 ways, the second in the
+    load-balanced layout: the losses, the MTP loss and the router biases of the one-device run."""
+    code, out, err = background.result("context", timeout=1500)
+    assert code == 0, err[-3000:]
+    runs = json.loads(out.strip().splitlines()[-1])
+    run, ref = runs[name], runs["single_mtp"]
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert all(m["mtp_loss"] > 0 for m in ref["metrics"])  # multi-token prediction ran
+    for got, want in zip(run["metrics"], ref["metrics"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(run["router_bias"], ref["router_bias"], atol=1e-6)
 
 
 def test_expert_parallel_shards_the_experts(ep_runs):

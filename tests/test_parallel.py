@@ -1,5 +1,6 @@
-"""Parallelism on 8 simulated CPU devices: the same seed gives the same losses under every mesh,
-FSDP really splits the state, and impossible meshes fail with one line."""
+"""Parallelism on 8 simulated CPU devices: the same seed gives the same losses under every mesh (context
+parallelism with and without load balancing included), FSDP really splits the state, and impossible meshes fail
+with one line."""
 import json
 import os
 
@@ -15,7 +16,15 @@ MESHES = {
     "fsdp8": ["mesh.ici.fsdp=8"],
     "fsdp4_tensor2": ["mesh.ici.fsdp=4", "mesh.ici.tensor=2"],
     "data2_fsdp4": ["mesh.ici.data=2", "mesh.ici.fsdp=4"],
+    # a sequence split over the context axis: each shard gathers the keys and values (mesh.context_attention's
+    # default, all_gather) or XLA partitions the whole attention; load balancing lays the sequence out as 2C
+    # chunks (shard i: chunks i and 2C-1-i), masked by position
     "context2_fsdp4": ["mesh.ici.context=2", "mesh.ici.fsdp=4"],
+    "context4_fsdp2": ["mesh.ici.context=4", "mesh.ici.fsdp=2"],
+    "context8": ["mesh.ici.context=8", "mesh.ici.fsdp=1"],
+    "context4_fsdp2_balanced": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true"],
+    "context8_balanced": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "mesh.context_load_balance=true"],
+    "context4_partitioned": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_attention=partitioned"],
     "dcn_data2_ici_fsdp4": ["mesh.dcn.data=2", "mesh.ici.fsdp=-1"],
 }
 
@@ -62,6 +71,12 @@ def test_dry_run_state_bytes_follow_the_mesh(tmp_path):
     (["mesh.ici.data=-1", "mesh.ici.fsdp=-1"], ["at most one -1"]),
     (["mesh.ici.tensor=8", "mesh.ici.fsdp=1"], ["attention/w", "8 ways", "tensor"]),
     (["mesh.ici.context=8", "mesh.ici.fsdp=1", "train.seq_len=36"], ["seq_len=36", "context"]),
+    (["mesh.ici.context=4", "mesh.ici.fsdp=2", "train.seq_len=36", "mesh.context_load_balance=true"],
+     ["2 x 4 chunks", "seq_len=36", "multiple of 8"]),
+    (["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true", "model.attention=flash"],
+     ["needs model.attention=xla", "flash:xla_chunked"]),
+    (["mesh.context_load_balance=true", "mesh.context_attention=partitioned"],
+     ["only mesh.context_attention=all_gather masks by position"]),
     (["mesh.dcn.data=3"], ["dcn", "3"]),
     (["mesh.rules.embed=fsdp,bogus"], ["bogus", "mesh.rules.embed"]),
 ])

@@ -198,6 +198,12 @@ def validate(cfg):
     from MaxOffload.models.exchange import EXCHANGES
 
     _choice("mesh.exchange", cfg.mesh.exchange, tuple(EXCHANGES))
+    from MaxOffload.parallel.layout import CONTEXT_ATTENTION
+
+    _choice("mesh.context_attention", cfg.mesh.context_attention, CONTEXT_ATTENTION)
+    _require(not (cfg.mesh.context_load_balance and cfg.mesh.context_attention != "all_gather"),
+             "mesh.context_load_balance=true reorders the sequence, which only mesh.context_attention=all_gather "
+             "masks by position: set that, or turn load balancing off")
     from MaxOffload import hardware, xla
 
     _choice("xla.preset", cfg.xla.preset, tuple(xla.PRESETS))

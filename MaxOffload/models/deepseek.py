@@ -278,8 +278,8 @@ class MLA(nnx.Module):
         k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        out = self.numerics.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout),
-                                names.ATTENTION_OUT)
+        out = self.numerics.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout,
+                                          positions), names.ATTENTION_OUT)
         out = project("blhd,hde->ble", out, self.wo)
         return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
@@ -400,6 +400,7 @@ class DeepSeek(DecoderModel):
         aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
         if c.mtp_depth:
             ahead = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, c.mtp_depth + 1)])
+            ahead = self.in_layout_order(ahead)  # the tokens k ahead in sequence order, laid out as x is
             next_embeds = self.layout.constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype),
                                                 (None, *BATCH_LENGTH_EMBED))
             _, mtp = run_layers(self.mtp_layers, normed, positions, self.mtp_segments, c.scan_layers, host,

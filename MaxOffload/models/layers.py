@@ -36,6 +36,7 @@ class RMSNorm(nnx.Module):
 
 
 Q_AXES = ("activation_batch", "activation_length", "activation_heads", "head_dim")
+KV_AXES = ("activation_batch", "activation_length", "activation_kv_heads", "head_dim")
 BLOCK = 512  # query rows per block of the xla path
 
 
@@ -50,14 +51,38 @@ def xla_work_multiple(length, block=BLOCK):
     return sum((stop - start) * stop for start, stop in query_blocks(length, block)) / (length * length / 2)
 
 
-def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK):
+def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK, layout=NONE):
     """The multiple of the model's attention FLOPs (the causal half: train/flops.py) the compiled step's
     attention takes by construction under `kernel` (models/kernels.attention_for): the xla path's blocks
-    (xla_work_multiple); flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py
-    _attention_flops: (8 d + 6 dv) / (6 (d + dv)))."""
+    (xla_work_multiple), or over a context split gathering keys (context_attention) every query x every key: 2;
+    flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py _attention_flops:
+    (8 d + 6 dv) / (6 (d + dv)))."""
     if kernel == "xla":
+        if layout.context_ways > 1 and layout.context_attention == "all_gather":
+            return 2.0
         return xla_work_multiple(length, block)
     return (length + 1) / length * (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
+
+
+def _grouped(q, kv_heads):
+    """(q with its heads as [kv heads, group], the einsum letters of q and of the scores). Multi-head attention
+    (DeepSeek's MLA: group 1) goes without the group axis: with a size-1 group axis XLA's GPU compiler (jaxlib
+    0.10.2, deviceless GB200) fails to tile the backward pass's projection matmuls ("Couldn't find output tile
+    sizes")."""
+    b, length, heads, d = q.shape
+    group = heads // kv_heads
+    if group == 1:
+        return q, "blkd", "bkls"
+    return q.reshape(b, length, kv_heads, group, d), "blkgd", "bkgls"
+
+
+def _attend(q, k, v, visible, scale, letters):
+    """Softmax(q k^T x scale, masked to `visible` [.., q rows, keys]) v, the scores in float32."""
+    qs, ss = letters
+    scores = jnp.einsum(f"{qs},bskd->{ss}", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum(f"{ss},bskd->{qs}", probs, v)
 
 
 @components.scoped(components.ATTENTION_SCORES)
@@ -73,22 +98,13 @@ def causal_attention(q, k, v, scale=None, block=BLOCK):
     (at l=8192, 128 heads, the full fp32 scores would be 34 GB per sequence and layer).
     """
     b, length, heads, d = q.shape
-    kv_heads, dv = k.shape[2], v.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    group = heads // kv_heads
-    # Query heads sharing a kv head form a group axis. Multi-head attention (DeepSeek's MLA: group 1) goes
-    # without it: with a size-1 group axis XLA's GPU compiler (jaxlib 0.10.2, deviceless GB200) fails to tile
-    # the backward pass's projection matmuls ("Couldn't find output tile sizes").
-    qs, ss = ("blkgd", "bkgls") if group > 1 else ("blkd", "bkls")
-    q = q.reshape(b, length, kv_heads, group, d) if group > 1 else q
+    q, *letters = _grouped(q, k.shape[2])
 
     def attend(q_block, k_seen, v_seen, first_row):
         rows = first_row + jnp.arange(q_block.shape[1])
-        scores = jnp.einsum(f"{qs},bskd->{ss}", q_block, k_seen, preferred_element_type=jnp.float32) * scale
-        seen = k_seen.shape[1]
-        scores = jnp.where(rows[:, None] >= jnp.arange(seen)[None, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum(f"{ss},bskd->{qs}", probs, v_seen)
+        return _attend(q_block, k_seen, v_seen, rows[:, None] >= jnp.arange(k_seen.shape[1])[None, :], scale,
+                       letters)
 
     blocks = query_blocks(length, block)
     if len(blocks) == 1:
@@ -97,15 +113,55 @@ def causal_attention(q, k, v, scale=None, block=BLOCK):
         step = jax.checkpoint(attend, static_argnums=(3,))
         out = jnp.concatenate([step(q[:, start:stop], k[:, :stop], v[:, :stop], start) for start, stop in blocks],
                               axis=1)
-    return out.reshape(b, length, heads, dv)
+    return out.reshape(b, length, heads, v.shape[-1])
 
 
-def attention(q, k, v, scale, kernel, layout=NONE):
+def masked_attention(q, k, v, q_positions, k_positions, scale=None, block=BLOCK):
+    """Attention of queries at q_positions [b, lq] to keys at k_positions [b, lk]: a query sees the keys at or
+    before its own position (causal in any token order). q [b, lq, heads, d], k, v [b, lk, kv_heads, .]. Query
+    blocks of `block` rows over all the keys, each recomputed in the backward pass (memory O(block x lk))."""
+    b, length, heads, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q, *letters = _grouped(q, k.shape[2])
+    head_axes = (1,) * (len(letters[1]) - 3)  # the scores' head axes, between their batch and rows
+
+    def attend(q_block, rows):
+        visible = rows[:, :, None] >= k_positions[:, None, :]  # [b, rows, keys]
+        return _attend(q_block, k, v, visible.reshape(b, *head_axes, *visible.shape[1:]), scale, letters)
+
+    blocks = query_blocks(length, block)
+    step = jax.checkpoint(attend) if len(blocks) > 1 else attend
+    out = jnp.concatenate([step(q[:, start:stop], q_positions[:, start:stop]) for start, stop in blocks], axis=1)
+    return out.reshape(b, length, heads, v.shape[-1])
+
+
+@components.scoped(components.ATTENTION_SCORES)
+def context_attention(q, k, v, positions, scale, layout):
+    """Causal attention of a sequence split over the layout's context axes (its all_gather strategy): each
+    shard all-gathers the keys, the values and their positions over those axes and attends its own queries to
+    them by position (masked_attention), so a load-balanced token order needs nothing else. Per shard: keys and
+    values of the whole sequence, scores of its queries x every key."""
+    kv_axes = Q_AXES if k.shape[2] == q.shape[2] else KV_AXES
+    specs = (layout.spec(Q_AXES), layout.spec(kv_axes), layout.spec(kv_axes), layout.spec(Q_AXES[:2]))
+    context = layout.context
+
+    def local(q, k, v, q_positions):
+        k, v, k_positions = (jax.lax.all_gather(a, context, axis=1, tiled=True) for a in (k, v, q_positions))
+        return masked_attention(q, k, v, q_positions, k_positions, scale)
+
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0])(q, k, v, positions)
+
+
+def attention(q, k, v, scale, kernel, layout=NONE, positions=None):
     """Causal attention by `kernel`: models/kernels.attention_for of `model.attention` (TrainSetup chooses it for
     its devices; an unchosen one is chosen here for this process's default device). The flash kernel runs per
-    shard of the layout's query sharding."""
+    shard of the layout's query sharding. The xla path over a sequence split by the layout's context axes:
+    context_attention (`mesh.context_attention=all_gather`), or XLA's partitioning of causal_attention;
+    `positions` [b, l]: the tokens' global positions (needed when the layout reorders them)."""
     kernel = kernels.attention_for(kernel, kernels.platform(jax.devices()[0]))
     if kernel == "xla":
+        if layout.context_ways > 1 and layout.context_attention == "all_gather":
+            return context_attention(q, k, v, positions, scale, layout)
         return causal_attention(q, k, v, scale)
     with jax.named_scope(components.ATTENTION_SCORES):
         return kernels.flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES))
@@ -136,7 +192,8 @@ class Attention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = self.numerics.tag(attention(q, k, v, None, self.attention, self.layout), names.ATTENTION_OUT)
+        out = self.numerics.tag(attention(q, k, v, None, self.attention, self.layout, positions),
+                                names.ATTENTION_OUT)
         out = project("blhd,hde->ble", out, self.wo)
         return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 

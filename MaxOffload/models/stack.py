@@ -3,6 +3,7 @@ remat/offload policies, the per-layer host-to-device copy of host-resident weigh
 layers (token embedding in, final norm and unembedding out)."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -120,11 +121,26 @@ class DecoderModel(nnx.Module):
 
     def embed_tokens(self, tokens):
         """tokens [batch, length] int32 -> (x [batch, length, emb] in the compute dtype, positions, the
-        embedding table on the device)."""
+        embedding table on the device). x and positions are in the layout's token order (load balancing over
+        the context axes reorders the sequence; parallel/layout.token_order): the layers see each token's global
+        position, and unembed_normed puts the hidden states back in sequence order."""
         cdt = jnp.dtype(self.config.compute_dtype)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        order = self.layout.token_order(tokens.shape[1])
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32) if order is None else jnp.asarray(order)
+        positions = jnp.broadcast_to(positions, tokens.shape)
+        tokens = self.in_layout_order(tokens)
         embed = to_device(self.embed[...], self.params_on_host)
         return self.layout.constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
+
+    def in_layout_order(self, tokens):
+        """tokens [..., length] in the layout's token order (embed_tokens)."""
+        order = self.layout.token_order(tokens.shape[-1])
+        return tokens if order is None else jnp.take(tokens, order, axis=-1)
+
+    def in_sequence_order(self, x):
+        """Hidden states [..., length, emb] from the layout's token order back to the sequence's."""
+        order = self.layout.token_order(x.shape[-2])
+        return x if order is None else jnp.take(x, np.argsort(order), axis=-2)
 
     def logits(self, x, embed):
         """The final norm and the unembedding: logits [batch, length, vocab] float32."""
@@ -136,10 +152,10 @@ class DecoderModel(nnx.Module):
     @components.scoped(components.UNEMBED)
     def unembed_normed(self, x, embed):
         """Normalised hidden states [..., length, emb] -> logits [..., length, vocab] float32 (the output head,
-        which multi-token prediction shares)."""
+        which multi-token prediction shares), in sequence order whatever the layout's token order."""
         c, host = self.config, self.params_on_host
         unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        logits = matmul.dense(x, unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
+        logits = matmul.dense(self.in_sequence_order(x), unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
         batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
         return self.layout.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
 

@@ -7,12 +7,21 @@ Without a mesh (an abstract model for counting parameters, a model built for one
 placement is a no-op: `NONE`.
 """
 import dataclasses
+import math
 
 import jax
+import numpy as np
 
 from MaxOffload.parallel import logical
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
+
+
+# how the queries of a sequence split over the context axes reach its keys (models/layers.attention, XLA path):
+#   all_gather   each shard all-gathers the keys, values and their positions and attends its own queries to them,
+#                masked by position (any token order: load balancing's)
+#   partitioned  XLA's automatic partitioning of the whole-sequence attention (the index-masked blocks)
+CONTEXT_ATTENTION = ("all_gather", "partitioned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +29,31 @@ class ParallelLayout:
     mesh: object  # jax.sharding.Mesh, or None
     rules: tuple = ()  # ((logical axis, (mesh axes, ...)), ...): hashable, so a module can hold it statically
     exchange: str = "all_gather"  # how routed tokens reach their experts' devices (models/exchange.EXCHANGES)
+    context_attention: str = "all_gather"  # CONTEXT_ATTENTION
+    load_balance: bool = False  # the sequence laid out so every context shard has the same causal work
 
     @classmethod
-    def of(cls, mesh, rules, exchange="all_gather"):
-        return cls(mesh, tuple(sorted((axis, tuple(mesh_axes)) for axis, mesh_axes in rules.items())), exchange)
+    def of(cls, mesh, rules, exchange="all_gather", context_attention="all_gather", load_balance=False):
+        return cls(mesh, tuple(sorted((axis, tuple(mesh_axes)) for axis, mesh_axes in rules.items())), exchange,
+                   context_attention, load_balance)
+
+    @property
+    def context_ways(self):
+        """How many shards the sequence is split into (1 without a mesh)."""
+        return 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.context)
+
+    def token_order(self, length):
+        """The global positions of a sequence's tokens as the model lays them out, or None when they keep their
+        order. Load balancing over C context shards cuts the sequence into 2C chunks and gives shard i chunks i
+        and 2C-1-i: under the causal mask every shard then attends to the same number of (query, key) pairs
+        (without it the last shard has 2C-1 times the first's). `length` must be a multiple of 2C
+        (TrainSetup checks)."""
+        ways = self.context_ways
+        if not self.load_balance or ways == 1:
+            return None
+        chunk = length // (2 * ways)
+        chunks = [c for shard in range(ways) for c in (shard, 2 * ways - 1 - shard)]
+        return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks]).astype(np.int32)
 
     @property
     def rule_map(self):

@@ -71,7 +71,8 @@ class TrainSetup:
     """
 
     def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
-                 micro_batches=1, gather_weights=PER_MICRO_BATCH, numerics=None, on_nonfinite=skip_nonfinite):
+                 micro_batches=1, gather_weights=PER_MICRO_BATCH, numerics=None, on_nonfinite=skip_nonfinite,
+                 context_attention="all_gather", load_balance=False):
         """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
         plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
         tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
@@ -79,16 +80,18 @@ class TrainSetup:
         several micro-batches, PER_MICRO_BATCH (the fsdp-sharded weights are all-gathered inside each micro-batch's
         passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); numerics: the
         weight matmuls' models/matmul.Numerics (None: bf16 in the model's compute dtype); on_nonfinite:
-        skip_nonfinite or halt_on_nonfinite. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
+        skip_nonfinite or halt_on_nonfinite; context_attention, load_balance: how a sequence split over the
+        context axes attends (parallel/layout.CONTEXT_ATTENTION) and whether its tokens are laid out for balanced
+        causal work. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
         self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
                           schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
                           micro_batches=micro_batches, gather_weights=gather_weights, numerics=numerics,
-                          on_nonfinite=on_nonfinite)
+                          on_nonfinite=on_nonfinite, context_attention=context_attention, load_balance=load_balance)
         self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
         self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
         self.micro_batches, self.gather_weights = micro_batches, gather_weights
         self.numerics = numerics or matmul.Numerics(model_config.compute_dtype)
-        self.layout = ParallelLayout.of(mesh, rules, exchange)  # handed to the model, once
+        self.layout = ParallelLayout.of(mesh, rules, exchange, context_attention, load_balance)  # to the model, once
         # every compile of the step gets the preset and what the weight GEMMs' mode needs
         self.compiler_options = xla.compiler_options(plan.xla_preset, self.numerics.mode)
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
@@ -125,6 +128,14 @@ class TrainSetup:
         if seq_len % context:
             raise ConfigError(f"train.seq_len={seq_len} is not divisible by the {context}-way sharding of "
                               f"activation_length ({mesh_lib.describe(mesh)})")
+        if self.layout.token_order(seq_len) is not None:
+            if seq_len % (2 * context):
+                raise ConfigError(f"mesh.context_load_balance=true cuts the sequence into 2 x {context} chunks, and "
+                                  f"train.seq_len={seq_len} is not a multiple of {2 * context}: choose a multiple")
+            if getattr(self.model_config, "attention", "xla") != "xla":
+                raise ConfigError(f"mesh.context_load_balance=true needs model.attention=xla: the {context}-way "
+                                  f"context split runs {self.model_config.attention} attention, which masks by "
+                                  "token index, not by the balanced order's positions")
 
     def with_plan(self, plan):
         """The same run (model, mesh, optimizer, batch) under another OffloadPlan: a planner's or a report's

@@ -35,7 +35,7 @@ def run(overrides, steps=2):
         state, metrics = step(state, setup.put_batch(data.train_batch(i)))
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         result["losses"].append(metrics["loss"])
-        result["metrics"].append({k: v for k, v in metrics.items() if k.startswith("moe/")})
+        result["metrics"].append({k: v for k, v in metrics.items() if k.startswith("moe/") or k == "mtp_loss"})
     bias = state["model_state"]["moe_layers"]["mlp"]["router_bias"]
     result["router_bias"] = np.asarray(jax.device_get(bias)).tolist()
     return result
