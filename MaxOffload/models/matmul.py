@@ -7,8 +7,9 @@ accumulated and returned in float32. `fp8` / `mxfp8` (quant.mode): the GEMMs of 
 the attention projections, the MLPs and shared experts, the routed experts) through models/fp8.py; the embedding,
 output head, router, norms and attention scores stay as in bf16 (as DeepSeek-V3 trained). The routed experts'
 dropless grouped GEMM (tokamax ragged_dot) is quantized per row and per expert in both FP8 modes
-(models/fp8.ragged_dot_fp8: its weight gradient in BF16), their capacity-mode batched GEMM per tensor (fp8). `Numerics.tag` tags activations
-for the remat/offload policies, keeping the names of quant.fp8_storage in FP8.
+(models/fp8.ragged_dot_fp8: its weight gradient in BF16), their capacity-mode batched GEMM per tensor (fp8).
+`Numerics.tag` tags activations for the remat/offload policies, keeping the names of quant.fp8_storage in FP8.
+Under mxfp8 each weight is gathered whole but for its tensor-parallel split before its GEMM (`weight`).
 
 Every call runs under jax.named_scope(SCOPE), so a test finds every weight matmul of a traced step
 (tests/test_moe_parts.py walks the jaxpr for a dot_general outside it).

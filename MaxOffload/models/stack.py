@@ -155,7 +155,8 @@ class DecoderModel(nnx.Module):
         which multi-token prediction shares), in sequence order whatever the layout's token order."""
         c, host = self.config, self.params_on_host
         unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        logits = matmul.dense(self.in_sequence_order(x), unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
+        x = self.in_sequence_order(x)
+        logits = matmul.dense(x, unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
         batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
         return self.layout.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
 
