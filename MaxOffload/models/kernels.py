@@ -101,6 +101,11 @@ def _import_tokamax():
     return tokamax
 
 
+def _implementation(kernel):
+    """tokamax's implementation name of a chosen kernel 'library:implementation' (grouped_gemm_for, attention_for)."""
+    return kernel.split(":", 1)[1]
+
+
 def ragged_dot(lhs, rhs, group_sizes, kernel, scales=None, dtype=None):
     """lhs [R, K] x rhs [E, K, N] -> [R, N]: row r times the group whose `group_sizes` [E] span holds it; rows
     past sum(group_sizes) give zeros. `kernel`: from grouped_gemm_for(). `scales` (lhs's [R, 1], rhs's [E, 1, 1]):
@@ -117,7 +122,7 @@ def ragged_dot(lhs, rhs, group_sizes, kernel, scales=None, dtype=None):
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     out = _import_tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=dtype,
-                                       implementation=kernel.split(":", 1)[1])
+                                       implementation=_implementation(kernel))
     # the Triton kernel writes only the rows inside the groups; the rest of its output is whatever the buffer
     # held. Zero them, as jax.lax.ragged_dot does, so no consumer can ever see stale values (a fused select)
     inside = jax.numpy.arange(lhs.shape[0]) < group_sizes.sum()
@@ -137,7 +142,7 @@ def ragged_weight_gradient(lhs, dout, group_sizes, kernel):
                                           preferred_element_type=jax.numpy.float32).astype(lhs.dtype)
     return _import_tokamax().ragged_dot_general(lhs, dout, group_sizes, RAGGED_CONTRACTING,
                                                 preferred_element_type=lhs.dtype,
-                                                implementation=kernel.split(":", 1)[1])
+                                                implementation=_implementation(kernel))
 
 
 def flash_attention(q, k, v, scale, kernel, q_sharding=None):
@@ -145,7 +150,7 @@ def flash_attention(q, k, v, scale, kernel, q_sharding=None):
     [b, l, heads, dv]. `kernel`: from attention_for; `q_sharding`: q's NamedSharding, so that the kernel runs
     per shard (tokamax's shard_map: batch and heads split, a split sequence sees all keys)."""
     return _import_tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True, q_sharding=q_sharding,
-                                                   implementation=kernel.split(":", 1)[1])
+                                                   implementation=_implementation(kernel))
 
 
 def lowering(device):

@@ -58,7 +58,7 @@ def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK, layout=N
     flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py _attention_flops:
     (8 d + 6 dv) / (6 (d + dv)))."""
     if kernel == "xla":
-        if layout.context_ways > 1 and layout.context_attention == "all_gather":
+        if layout.gathers_context:
             return 2.0
         return xla_work_multiple(length, block)
     return (length + 1) / length * (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
@@ -160,7 +160,7 @@ def attention(q, k, v, scale, kernel, layout=NONE, positions=None):
     `positions` [b, l]: the tokens' global positions (needed when the layout reorders them)."""
     kernel = kernels.attention_for(kernel, kernels.platform(jax.devices()[0]))
     if kernel == "xla":
-        if layout.context_ways > 1 and layout.context_attention == "all_gather":
+        if layout.gathers_context:
             return context_attention(q, k, v, positions, scale, layout)
         return causal_attention(q, k, v, scale)
     with jax.named_scope(components.ATTENTION_SCORES):

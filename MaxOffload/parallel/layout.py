@@ -42,6 +42,11 @@ class ParallelLayout:
         """How many shards the sequence is split into (1 without a mesh)."""
         return 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.context)
 
+    @property
+    def gathers_context(self):
+        """Whether a sequence is split over context axes and each shard gathers its keys (all_gather)."""
+        return self.context_ways > 1 and self.context_attention == "all_gather"
+
     def token_order(self, length):
         """The global positions of a sequence's tokens as the model lays them out, or None when they keep their
         order. Load balancing over C context shards cuts the sequence into 2C chunks and gives shard i chunks i
