@@ -18,6 +18,22 @@ def pytest_configure(config):
                                        "errors, file formats, the launcher, reports): .ci/run runs it on one stack")
 
 
+# The test files, longest first (their summed test times on the py311 stack, benchmarks/results/README.md): `pytest
+# -n 2 --dist loadfile` hands whole files to the two workers in collection order, so the long files start first
+# and the workers finish together instead of one running the last long file alone. Unlisted files come after,
+# in name order.
+LONGEST_FIRST = ["test_deepseek.py", "test_planner.py", "test_fp8.py", "test_grad_accum.py", "test_checkpoint.py",
+                 "test_offload.py", "test_aot.py", "test_mtp.py", "test_parallel.py", "test_model.py",
+                 "test_slurm.py", "test_planner_hbm.py", "test_convert_hf.py", "test_moe_parts.py", "test_cli.py",
+                 "test_training.py", "test_timeline.py", "test_convert.py", "test_family.py", "test_profile.py",
+                 "test_data.py", "test_rundir.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.path.name))  # stable within a file
+
+
 # One persistent JAX compilation cache per test run (the xdist workers share it) for the train.py processes the
 # tests start: dozens of them compile the same tiny steps, and a hit loads the executable instead (a 40-step tiny
 # Llama run: 18.9 s -> 6.4 s). Only train.py: the other tools' deviceless GPU compiles are each made once.

@@ -19,7 +19,6 @@ MESHES = {
     # a sequence split over the context axis: each shard gathers the keys and values (mesh.context_attention's
     # default, all_gather) or XLA partitions the whole attention; load balancing lays the sequence out as 2C
     # chunks (shard i: chunks i and 2C-1-i), masked by position
-    "context2_fsdp4": ["mesh.ici.context=2", "mesh.ici.fsdp=4"],
     "context4_fsdp2": ["mesh.ici.context=4", "mesh.ici.fsdp=2"],
     "context8": ["mesh.ici.context=8", "mesh.ici.fsdp=1"],
     "context4_fsdp2_balanced": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true"],
