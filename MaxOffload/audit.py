@@ -328,6 +328,7 @@ def audit(text, model_flops, multiples=None, quantized=()):
     return {"compiled_matmul_flops": c.total, "model_flops": model_total,
             "ratio": c.total / model_total if model_total else None,
             "recompute_flops": sum(e["recompute_flops"] for e in parts.values()),
+            "xla_remat_flops": sum(m.flops for m in c.matmuls if m.cloned),
             "components": parts, "unreadable_kernels": c.kernels, "counted_kernels": c.counted_kernels,
             "unknown_trip_counts": c.unknown_trip_counts,
             "dense_ragged_dots": len(c.dense_ragged_dots), "warnings": warnings,
@@ -378,6 +379,10 @@ def format_audit(report):
     ratio = f" = {report['ratio']:.2f}x the model FLOPs ({_pflop(report['model_flops'])})" if report["ratio"] else ""
     lines = [f"compiled matmul work per device per step: {_pflop(report['compiled_matmul_flops'])}{ratio}, "
              f"{_pflop(report['recompute_flops'])} of it recomputation"]
+    if report.get("xla_remat_flops"):
+        lines.append(f"  of that, {_pflop(report['xla_remat_flops'])} recomputed by XLA's own rematerialization "
+                     "(instructions it cloned, *.remat: its estimate of the peak memory was over its limit); "
+                     "xla.hlo_rematerialization=false leaves recomputation to the plan")
     for name, e in sorted(report["components"].items(), key=lambda kv: -kv[1]["compiled_flops"]):
         against = f" ({e['ratio']:.2f}x model)" if e["ratio"] else ""
         lines.append(f"  {name:<17} {_pflop(e['compiled_flops']):>14}{against}, recompute "

@@ -28,7 +28,8 @@ def template(cfg):
     """The run's state placement with full remat on every layer: the planner's starting point."""
     return OffloadPlan(tuple(segments.uniform("full", models.layer_groups(cfg.model))),
                        params_on_host=bool(cfg.offload.params), optimizer_on_host=bool(cfg.offload.optimizer_state),
-                       verify_parity=bool(cfg.offload.verify_parity), xla_preset=cfg.xla.preset)
+                       verify_parity=bool(cfg.offload.verify_parity), xla_preset=cfg.xla.preset,
+                       hlo_rematerialization=bool(cfg.xla.hlo_rematerialization))
 
 
 def static_plan(cfg):

@@ -121,10 +121,19 @@ _FP8_GEMMS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_dot_merger_thresh
 QUANT_FLAGS = {"bf16": (), "fp8": _FP8_GEMMS, "mxfp8": _FP8_GEMMS}  # mxfp8's capacity-mode experts: per tensor
 
 
-def compiler_options(preset, quant_mode="bf16"):
+# XLA's GPU compiler rematerializes (HloRematerialization, after scheduling) while its estimate of the step's peak
+# memory exceeds a limit: 80% of the device's memory less the outputs, x this factor / 100 (default 95). Its
+# estimate can be far off the buffer assignment's: the 405B recipe at 16 micro-batches, estimated 284.7 GiB and
+# assigned 138.9 GiB, got 1,201 instructions recomputed (0.27x the step's FLOPs, most of an MLP forward per
+# layer). A limit this many times higher never binds (and leaves the scheduler's overlap unconstrained by it):
+# recomputation is then the plan's alone, and the aot verdict checks what the buffer assignment needs.
+NO_HLO_REMAT_SLOP_FACTOR = 10000
+
+
+def compiler_options(preset, quant_mode="bf16", hlo_rematerialization=True):
     """{option: value} for jax's `.compile(compiler_options=...)`: the preset's features (baseline: none, XLA's
-    defaults) and what `quant_mode` needs (QUANT_FLAGS)."""
-    options = {}
+    defaults), what `quant_mode` needs (QUANT_FLAGS), and XLA's own rematerialization off when asked."""
+    options = {} if hlo_rematerialization else {"xla_gpu_memory_limit_slop_factor": NO_HLO_REMAT_SLOP_FACTOR}
     for flag in [*preset_flags(preset), *QUANT_FLAGS[quant_mode]]:
         name, _, value = flag[2:].partition("=")
         options[name] = {"true": True, "false": False}.get(value, _ENUMS.get(value, value))

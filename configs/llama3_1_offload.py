@@ -29,7 +29,12 @@ def get_config(size="8b"):
     add_layer_group(cfg, "last_two", layers="-2-", policy="minimal")  # counted from the end: any depth
     if size == "405b":
         # 2,048 sequences of 8,192 tokens a step (16.8M tokens, Llama 3.1's pre-training batch): on 128 GPUs 16
-        # micro-batches of one sequence per GPU, accumulated in the step (aot on 2x16x4 GB200: 138.9 GiB HBM with
-        # the float32 gradient accumulator, FITS; benchmarks/results/grad_accum_2026-12-03)
+        # micro-batches of one sequence per GPU, accumulated in the step. The float32 gradient accumulator (11.8 GiB
+        # per GPU) is paid for by offloading each layer's input too (the residual stream every recomputation
+        # starts from: 126 x 256 MiB), and XLA's own rematerialization is off: under its default memory limit it
+        # recomputed most of an MLP forward per layer (1.46x the model FLOPs instead of 1.19x). aot on 2x16x4
+        # GB200: 133.5 GiB HBM, 96.9 GiB host, FITS, 1.19x (benchmarks/results/grad_accum_2026-12-04)
         cfg.train.global_batch_size = 2048
+        cfg.remat.tensors["decoder_layer_input"] = "offload"
+        cfg.xla.hlo_rematerialization = False
     return cfg

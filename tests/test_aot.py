@@ -111,6 +111,27 @@ def test_does_not_fit_verdict(tmp_path):
     assert result.returncode == 1 and "DOES NOT FIT" in result.stdout
 
 
+def test_xla_rematerialization_is_counted_and_can_be_left_to_the_plan(tmp_path):
+    """Every activation kept at a batch far over an H200's memory: XLA's own rematerialization recomputes matmuls
+    of its choosing (instructions it cloned, *.remat), which the audit counts and names; with
+    xla.hlo_rematerialization=false it recomputes none, and the step does exactly the plan's work (no
+    recomputation under remat.policy=save_all: the MLP at 1.00x its model FLOPs)."""
+    found = {}
+    for label, extra in (("xla", []), ("plan", ["xla.hlo_rematerialization=false"])):
+        result = run_cli(["-m", "MaxOffload.aot", *TINY, "train.seq_len=4096", "train.per_device_batch_size=4096",
+                          "remat.policy=save_all", *extra, "--target", "h200", "--topology", "1x1x1",
+                          f"run.output_dir={tmp_path / label}"])
+        assert result.returncode == 1 and "DOES NOT FIT" in result.stdout, result.stdout + result.stderr
+        found[label] = (json.loads((tmp_path / label / "aot_report.json").read_text())["compiled_work"], result.stdout)
+    (xla_work, xla_out), (plan_work, plan_out) = found["xla"], found["plan"]
+    assert xla_work["xla_remat_flops"] > 0 and xla_work["recompute_flops"] >= xla_work["xla_remat_flops"]
+    assert "recomputed by XLA's own rematerialization" in xla_out
+    assert plan_work["xla_remat_flops"] == 0 and plan_work["recompute_flops"] == 0
+    assert plan_work["components"]["mlp"]["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert plan_work["compiled_matmul_flops"] < xla_work["compiled_matmul_flops"]
+    assert "XLA's own rematerialization" not in plan_out
+
+
 def test_presets_give_the_expected_flags():
     from MaxOffload import xla
 

@@ -117,6 +117,10 @@ SCHEMA = {
                                "lhs_pipelined (+ collective pipelining, loop double buffering) | "
                                "lhs_pipelined_offload (+ pipelined host offloading); see MaxOffload/xla.py"),
         "extra_flags": ([], "more XLA_FLAGS, e.g. [--xla_gpu_enable_command_buffer=]; checked against jaxlib"),
+        "hlo_rematerialization": (True, "XLA's own rematerialization on GPUs: when its estimate of the step's peak "
+                                        "memory is over its limit (80% of HBM less the outputs), it recomputes "
+                                        "instructions of its choosing (the audit's xla_remat_flops); false leaves "
+                                        "recomputation to the plan (remat.*), the aot verdict checks the fit"),
     },
     "aot": {
         "target": ("gb200", "GPU for the deviceless compile (python -m MaxOffload.aot): a key of "

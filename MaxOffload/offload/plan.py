@@ -3,7 +3,8 @@ remat.policy=auto) and read, never re-derived, by the model, the train step and 
 
 Per layer segment (a run of layers compiled with one policy) a decision for every tagged name; where the
 parameters and the optimizer state live; the XLA scheduling preset the step (and so its copies) is compiled under
-(MaxOffload/xla.py); whether the parity gate runs before training.
+(MaxOffload/xla.py), and whether XLA's own rematerialization may add recomputation; whether the parity gate
+runs before training.
 """
 import dataclasses
 
@@ -18,6 +19,7 @@ class OffloadPlan:
     optimizer_on_host: bool = False
     verify_parity: bool = False  # compare loss and gradients with full remat on one batch before training
     xla_preset: str = "baseline"  # xla.PRESETS: xla.preset, or the planner's choice under remat.policy=auto
+    hlo_rematerialization: bool = True  # xla.hlo_rematerialization: XLA's own rematerialization pass may recompute
 
     @property
     def state_on_host(self):
