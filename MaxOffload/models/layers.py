@@ -56,12 +56,19 @@ def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK, layout=N
     attention takes by construction under `kernel` (models/kernels.attention_for): the xla path's blocks
     (xla_work_multiple), or over a context split gathering keys (context_attention) every query x every key: 2;
     flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py _attention_flops:
-    (8 d + 6 dv) / (6 (d + dv)))."""
+    (8 d + 6 dv) / (6 (d + dv))); flash over a context split gathering keys (context_flash_attention), as the audit
+    counts its kernels from their shapes: each chunk of c queries x every key for the earlier keys (the forward
+    kernel skips the blocks past the bound, so this over-counts it; the backward computes them) and c (c + 1) / 2
+    pairs for its own: 2 + (c + 1) / T."""
     if kernel == "xla":
         if layout.gathers_context:
             return 2.0
         return xla_work_multiple(length, block)
-    return (length + 1) / length * (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
+    per_pair = (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
+    if layout.gathers_context:
+        chunk = length // (layout.context_ways * (1 if layout.token_order(length) is None else 2))
+        return (2 + (chunk + 1) / length) * per_pair
+    return (length + 1) / length * per_pair
 
 
 def _grouped(q, kv_heads):
@@ -152,6 +159,68 @@ def context_attention(q, k, v, positions, scale, layout):
     return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0])(q, k, v, positions)
 
 
+def _chunk_attention(q, k, v, keys, values, start, scale, kernel):
+    """Causal attention of a chunk of queries (positions start..start+l-1) to the keys and values of the same
+    positions (k, v) and to every earlier one (the first `start` of keys, values: the whole sequence in order), as
+    two flash pieces (models/kernels.flash_attention_piece) combined by their log-sum-exp."""
+    return _chunk_attention_fwd(q, k, v, keys, values, start, scale, kernel)[0]
+
+
+def _chunk_attention_fwd(q, k, v, keys, values, start, scale, kernel):
+    before, lse_before = kernels.flash_attention_piece(q, keys, values, scale, kernel, False, start)
+    own, lse_own = kernels.flash_attention_piece(q, k, v, scale, kernel, True)
+    lse = jnp.logaddexp(lse_before, lse_own)  # [b, heads, l]
+    weight = lambda piece: jnp.moveaxis(jnp.exp(piece - lse), -1, -2)[..., None]  # noqa: E731  [b, l, heads, 1]
+    out = (before * weight(lse_before) + own * weight(lse_own)).astype(q.dtype)
+    return out, (q, k, v, keys, values, start, out, lse)
+
+
+def _chunk_attention_bwd(scale, kernel, residuals, dout):
+    q, k, v, keys, values, start, out, lse = residuals
+    dq_before, dkeys, dvalues = kernels.flash_attention_piece_vjp(q, keys, values, scale, kernel, False, start, lse,
+                                                                  out, dout)
+    dq_own, dk, dv = kernels.flash_attention_piece_vjp(q, k, v, scale, kernel, True, None, lse, out, dout)
+    return dq_before + dq_own, dk, dv, dkeys, dvalues, None
+
+
+_chunk_attention = jax.custom_vjp(_chunk_attention, nondiff_argnums=(6, 7))
+_chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
+
+
+def context_flash_attention(q, k, v, scale, kernel, layout):
+    """Causal attention of a sequence split over the layout's context axes, with the flash kernel per shard (its
+    all_gather strategy): each shard all-gathers the keys and values, and each of its chunks of queries (one, or
+    two under load balancing: chunks i and 2C-1-i) attends to its own positions with the kernel's aligned causal
+    mask and to every earlier key with a key bound (one row for all queries), combined by log-sum-exp
+    (_chunk_attention). No [queries, keys] mask or score buffer exists in the forward or the backward pass; the
+    backward kernel computes the earlier keys' blocks past the bound too (they come out zero)."""
+    kv_axes = Q_AXES if k.shape[2] == q.shape[2] else KV_AXES
+    specs = (layout.spec(Q_AXES), layout.spec(kv_axes), layout.spec(kv_axes))
+    context, ways = layout.context, layout.context_ways
+    chunks = 2 if layout.token_order(q.shape[1] * ways) is not None else 1
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+    def in_sequence_order(gathered):  # shard i's chunks i and 2C-1-i -> chunks 0..2C-1
+        if chunks == 1:
+            return gathered
+        split = gathered.reshape(gathered.shape[0], ways, 2, -1, *gathered.shape[2:])
+        return jnp.concatenate([split[:, :, 0], split[:, ::-1, 1]], axis=1).reshape(gathered.shape)
+
+    def local(q, k, v):
+        keys, values = (in_sequence_order(jax.lax.all_gather(a, context, axis=1, tiled=True)) for a in (k, v))
+        shard, size = jax.lax.axis_index(context), q.shape[1] // chunks
+        out = []
+        for i in range(chunks):
+            index = shard if i == 0 else 2 * ways - 1 - shard
+            rows = slice(i * size, (i + 1) * size)
+            out.append(_chunk_attention(q[:, rows], k[:, rows], v[:, rows], keys, values, index * size, scale,
+                                        kernel))
+        return jnp.concatenate(out, axis=1)
+
+    # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(q, k, v)
+
+
 def attention(q, k, v, scale, kernel, layout=NONE, positions=None):
     """Causal attention by `kernel`: models/kernels.attention_for of `model.attention` (TrainSetup chooses it for
     its devices; an unchosen one is chosen here for this process's default device). The flash kernel runs per
@@ -164,6 +233,8 @@ def attention(q, k, v, scale, kernel, layout=NONE, positions=None):
             return context_attention(q, k, v, positions, scale, layout)
         return causal_attention(q, k, v, scale)
     with jax.named_scope(components.ATTENTION_SCORES):
+        if layout.gathers_context:
+            return context_flash_attention(q, k, v, scale, kernel, layout)
         return kernels.flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES))
 
 

@@ -132,10 +132,6 @@ class TrainSetup:
             if seq_len % (2 * context):
                 raise ConfigError(f"mesh.context_load_balance=true cuts the sequence into 2 x {context} chunks, and "
                                   f"train.seq_len={seq_len} is not a multiple of {2 * context}: choose a multiple")
-            if getattr(self.model_config, "attention", "xla") != "xla":
-                raise ConfigError(f"mesh.context_load_balance=true needs model.attention=xla: the {context}-way "
-                                  f"context split runs {self.model_config.attention} attention, which masks by "
-                                  "token index, not by the balanced order's positions")
 
     def with_plan(self, plan):
         """The same run (model, mesh, optimizer, batch) under another OffloadPlan: a planner's or a report's
