@@ -1,6 +1,6 @@
 """Parallelism on 8 simulated CPU devices: the same seed gives the same losses under every mesh (context
-parallelism with and without load balancing included), FSDP really splits the state, and impossible meshes fail
-with one line."""
+parallelism with and without load balancing, through the xla path and the flash kernel per shard, included),
+FSDP really splits the state, and impossible meshes fail with one line."""
 import json
 import os
 
@@ -24,6 +24,10 @@ MESHES = {
     "context4_fsdp2_balanced": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true"],
     "context8_balanced": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "mesh.context_load_balance=true"],
     "context4_partitioned": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_attention=partitioned"],
+    # the flash kernel per shard (tokamax's XLA implementation on CPU): two pieces per chunk of queries, combined
+    "context8_flash": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "model.attention=flash"],
+    "context4_fsdp2_balanced_flash": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true",
+                                      "model.attention=flash"],
     "dcn_data2_ici_fsdp4": ["mesh.dcn.data=2", "mesh.ici.fsdp=-1"],
 }
 
@@ -72,8 +76,6 @@ def test_dry_run_state_bytes_follow_the_mesh(tmp_path):
     (["mesh.ici.context=8", "mesh.ici.fsdp=1", "train.seq_len=36"], ["seq_len=36", "context"]),
     (["mesh.ici.context=4", "mesh.ici.fsdp=2", "train.seq_len=36", "mesh.context_load_balance=true"],
      ["2 x 4 chunks", "seq_len=36", "multiple of 8"]),
-    (["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true", "model.attention=flash"],
-     ["needs model.attention=xla", "flash:xla_chunked"]),
     (["mesh.context_load_balance=true", "mesh.context_attention=partitioned"],
      ["only mesh.context_attention=all_gather masks by position"]),
     (["mesh.dcn.data=3"], ["dcn", "3"]),
