@@ -12,6 +12,7 @@ from MaxOffload.errors import ConfigError
 from MaxOffload.offload import segments
 from MaxOffload.offload.plan import OffloadPlan
 from MaxOffload.offload.policy import AUTO
+from MaxOffload.parallel import mesh as mesh_lib
 
 
 def planned(cfg):
@@ -73,10 +74,10 @@ def micro_batches(cfg, device_count):
     train = cfg.train
     if not train.global_batch_size:
         return train.grad_accum_steps
-    micro = train.per_device_batch_size * device_count
+    micro = mesh_lib.sequences(train.per_device_batch_size, device_count)
     if train.global_batch_size % micro:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                          f"per_device_batch_size {train.per_device_batch_size} x {device_count} devices = {micro} "
+                          f"per_device_batch_size {train.per_device_batch_size:g} x {device_count} devices = {micro} "
                           f"sequences a micro-batch; give a multiple of {micro} or change per_device_batch_size")
     return train.global_batch_size // micro
 

@@ -22,7 +22,9 @@ SCHEMA = {
     },
     "train": {
         "steps": (100, "number of optimizer steps"),
-        "per_device_batch_size": (8, "sequences per device per micro-batch (per step when grad_accum_steps=1)"),
+        "per_device_batch_size": (8.0, "sequences per device per micro-batch (per step when grad_accum_steps=1); "
+                                       "a fraction where the sequence is split over context axes (0.125 on 8 "
+                                       "devices: one sequence), as long as x devices it is a whole number"),
         "grad_accum_steps": (1, "micro-batches per optimizer step: their gradients are summed in float32 inside the "
                                 "step (a scan), then one update; a step trains per_device_batch_size x devices x "
                                 "grad_accum_steps sequences"),

@@ -18,7 +18,9 @@ def build(cfg, process_index=0, process_count=1):
 
     from MaxOffload.data import synthetic, text, tokenized
 
-    global_batch = cfg.train.per_device_batch_size * jax.device_count()
+    from MaxOffload.parallel.mesh import sequences
+
+    global_batch = sequences(cfg.train.per_device_batch_size, jax.device_count())
     kwargs = dict(global_batch=global_batch, seq_len=cfg.train.seq_len, seed=cfg.run.seed,
                   process_index=process_index, process_count=process_count)
     if cfg.data.source == "synthetic":

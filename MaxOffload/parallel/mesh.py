@@ -14,6 +14,18 @@ from MaxOffload.errors import ConfigError
 from MaxOffload.parallel.logical import MESH_AXES
 
 
+def sequences(per_device_batch, devices):
+    """Sequences a (micro-)batch holds on `devices` devices at `per_device_batch` sequences per device: a whole
+    number. A fraction per device is how context parallelism keeps a device's tokens down (0.125 on 8 devices
+    split 8 ways over context: one sequence, 1/8 of it on each)."""
+    total = per_device_batch * devices
+    if total <= 0 or abs(total - round(total)) > 1e-9:
+        raise ConfigError(f"train.per_device_batch_size={per_device_batch:g} x {devices} devices = {total:g} "
+                          f"sequences, not a whole number; give a per-device batch that makes one (e.g. "
+                          f"{max(1, round(total)) / devices:g})")
+    return int(round(total))
+
+
 def _sizes(kind, sizes, total):
     """Fills a single -1 so that the product is `total`; ConfigError if impossible."""
     sizes = dict(sizes)

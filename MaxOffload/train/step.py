@@ -125,6 +125,13 @@ class TrainSetup:
         self.step_batch_sharding = self.batch_sharding if micro_batches == 1 else \
             NamedSharding(mesh, PartitionSpec(None, *self.batch_sharding.spec))
         context = logical.ways(mesh, self.batch_sharding.spec[1])
+        rows = mesh_lib.sequences(per_device_batch, mesh.size)
+        batch_ways = logical.ways(mesh, self.batch_sharding.spec[0])
+        if rows % batch_ways:
+            raise ConfigError(f"a batch of {rows} sequences (train.per_device_batch_size={per_device_batch:g} x "
+                              f"{mesh.size} devices) does not split {batch_ways} ways over the batch's mesh axes "
+                              f"({mesh_lib.describe(mesh)}); give a per-device batch that makes a multiple of "
+                              f"{batch_ways}")
         if seq_len % context:
             raise ConfigError(f"train.seq_len={seq_len} is not divisible by the {context}-way sharding of "
                               f"activation_length ({mesh_lib.describe(mesh)})")
@@ -239,7 +246,7 @@ class TrainSetup:
     def abstract_batch(self, step=True):
         """Shapes, dtypes and shardings of one global batch (see MaxOffload.data): a step's (its micro-batches
         stacked in front when there are several), or (step=False) one batch, as evaluation takes."""
-        shape = (self.per_device_batch * self.mesh.size, self.seq_len)
+        shape = (mesh_lib.sequences(self.per_device_batch, self.mesh.size), self.seq_len)
         shape, sharding = ((self.micro_batches, *shape), self.step_batch_sharding) \
             if step and self.micro_batches > 1 else (shape, self.batch_sharding)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
