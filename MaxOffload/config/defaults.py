@@ -84,13 +84,14 @@ SCHEMA = {
                   for axis, mesh_axes in DEFAULT_RULES.items()},
         "exchange": ("all_gather", "how MoE layers' routed tokens reach their experts' devices (models/exchange.py): "
                                    "all_gather (tokens gathered over the expert axes, outputs reduce-scattered back)"),
-        "context_attention": ("all_gather", "how a sequence split over the context axes attends, on the xla "
-                                            "attention path (models/layers.attention): all_gather (each shard "
-                                            "gathers the keys and values, masks by position) | partitioned (XLA's "
-                                            "automatic partitioning); flash: tokamax gathers them itself"),
+        "context_attention": ("all_gather", "how a sequence split over the context axes attends "
+                                            "(models/layers.attention): all_gather (each shard gathers the keys and "
+                                            "values; xla: masks by position; flash: its kernels per chunk of "
+                                            "queries) | partitioned (xla: XLA's automatic partitioning; flash: "
+                                            "tokamax's own sharding, a dense mask in its backward)"),
         "context_load_balance": (False, "lay each sequence out as 2C chunks, context shard i holding chunks i and "
                                         "2C-1-i, so every shard has the same causal attention work (needs "
-                                        "context_attention=all_gather and model.attention=xla)"),
+                                        "context_attention=all_gather)"),
     },
     "distributed": {
         "coordinator_address": ("", "host:port of process 0; empty = auto (Slurm) or single process"),
