@@ -1,6 +1,7 @@
 """DeepSeek-V3 with activation host offloading (the JAX-Toolbox recipe; at 671b extended to fit, below):
 configs/deepseek_v3_offload.py:671b | :tiny | :small, each also
-with MXFP8 GEMMs and the routed experts' host activations stored in FP8 (:671b_mxfp8, ...: docs/fp8.md).
+with MXFP8 GEMMs and the routed experts' host activations stored in FP8 (:671b_mxfp8, ...: docs/fp8.md) and at 32K
+or 128K tokens a sequence, split over a context axis (:671b_32k, :671b_128k: docs/parallelism.md).
 
 In the MoE layers (and the MoE block of multi-token prediction after them, when model.mtp_depth > 0)
 the routed experts' input projections (moe_mlpwi_0/1) go to pinned host memory, the query/key/value
@@ -17,7 +18,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=128 python train.py configs/dee
 """
 import os
 
-from MaxOffload.config.defaults import add_layer_group
+from MaxOffload.config.defaults import add_layer_group, long_context_variant
 from MaxOffload.config.loader import load_file
 
 REMAT = ("query_proj", "key_proj", "value_proj")
@@ -26,6 +27,9 @@ DEVICE = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out", "ou
 
 
 def get_config(size="671b"):
+    long = long_context_variant(get_config, size)  # e.g. 671b_32k: 32,768 tokens a sequence (docs/parallelism.md)
+    if long is not None:
+        return long
     if size.endswith("_mxfp8"):  # e.g. small_mxfp8: the same recipe with MXFP8 GEMMs (docs/fp8.md; 671b_mxfp8 fits
         #                           2x16x4 GB200 but is predicted slower than BF16 there: collective-bound)
         cfg = get_config(size[:-len("_mxfp8")])

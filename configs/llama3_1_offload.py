@@ -1,5 +1,6 @@
 """Llama 3.1 with activation host offloading: configs/llama3_1_offload.py:8b | :70b | :405b | :tiny | :small, each also
-with per-tensor FP8 GEMMs (:405b_fp8, ...: docs/fp8.md).
+with per-tensor FP8 GEMMs (:405b_fp8, ...: docs/fp8.md) and at 32K or 128K tokens a sequence, split over a
+context axis (:405b_32k, :405b_128k, ...: docs/parallelism.md).
 
 Every layer offloads its attention projections (q, k, v and the output projection) to pinned
 host memory and recomputes the MLP, whose inputs are the largest activations (2 x 53248 wide
@@ -10,11 +11,14 @@ is no forward compute left to hide their copies behind.
 """
 import os
 
-from MaxOffload.config.defaults import add_layer_group
+from MaxOffload.config.defaults import add_layer_group, long_context_variant
 from MaxOffload.config.loader import load_file
 
 
 def get_config(size="8b"):
+    long = long_context_variant(get_config, size)  # e.g. 405b_128k: 131,072 tokens a sequence (docs/parallelism.md)
+    if long is not None:
+        return long
     if size.endswith("_fp8"):  # e.g. 405b_fp8: the same recipe with per-tensor FP8 GEMMs (docs/fp8.md)
         cfg = get_config(size[:-len("_fp8")])
         cfg.run.output_dir += "_fp8"

@@ -58,6 +58,19 @@ def test_quickstart_values():
     assert cfg.model.family == "llama"
 
 
+@pytest.mark.parametrize("spec, seq_len, ways", [("llama3_1_offload.py:405b_128k", 131072, 8),
+                                                  ("deepseek_v3_offload.py:671b_32k", 32768, 2)])
+def test_long_context_variants_split_each_sequence_over_the_context_axis(spec, seq_len, ways):
+    """A recipe's _32k / _128k variant: one sequence per `ways` GPUs, the weights (not the activations' batch)
+    sharded over the context axis too, 16.8M tokens a step, the rest of the recipe unchanged."""
+    cfg, base = load([os.path.join(ROOT, "configs", spec)]), load([os.path.join(ROOT, "configs", spec.rsplit("_", 1)[0])])
+    assert (cfg.train.seq_len, cfg.mesh.ici.context, cfg.train.per_device_batch_size) == (seq_len, ways, 1 / ways)
+    assert cfg.train.global_batch_size * seq_len == 2 ** 24
+    assert "context" in cfg.mesh.rules.embed and "context" not in cfg.mesh.rules.activation_batch
+    assert cfg.remat.to_dict() == base.remat.to_dict() and cfg.run.output_dir == base.run.output_dir + "_" + \
+        spec.rsplit("_", 1)[1]
+
+
 def test_llama3_1_405b_values():
     cfg = load([f"{LLAMA}:405b"])
     m = cfg.model

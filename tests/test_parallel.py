@@ -79,6 +79,8 @@ def test_dry_run_state_bytes_follow_the_mesh(tmp_path):
     (["mesh.context_load_balance=true", "mesh.context_attention=partitioned"],
      ["only mesh.context_attention=all_gather masks by position"]),
     (["mesh.dcn.data=3"], ["dcn", "3"]),
+    (["train.per_device_batch_size=0.3"], ["per_device_batch_size=0.3", "8 devices", "not a whole number"]),
+    (["mesh.ici.fsdp=8", "train.per_device_batch_size=0.25"], ["batch of 2 sequences", "split 8 ways"]),
     (["mesh.rules.embed=fsdp,bogus"], ["bogus", "mesh.rules.embed"]),
 ])
 def test_impossible_mesh_is_one_line(tmp_path, overrides, words):

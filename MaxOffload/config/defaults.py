@@ -199,6 +199,31 @@ def add_layer_group(cfg, name, layers, policy="", **tensors):
         cfg.remat.groups[name] = layer_group(layers, policy, **tensors)
 
 
+# the long-context variants of a recipe (configs/*_offload.py:SIZE_32k, SIZE_128k): tokens per sequence and the
+# context axis that splits each one, so that a GPU holds 16,384 of a sequence's tokens at either length
+LONG_CONTEXT = {"32k": (32768, 2), "128k": (131072, 8)}
+
+
+def long_context_variant(get_config, size, tokens_per_step=2 ** 24):
+    """The long-context variant that `size` names (e.g. 405b_128k: get_config("405b") at 131,072 tokens), or None
+    when it names none. Each sequence is split over mesh.ici.context (its flash attention per shard, keys and values
+    gathered), one sequence per context group of GPUs (per_device_batch_size 1/context), the weights sharded over
+    the context axis as well as fsdp (mesh.rules), and `tokens_per_step` tokens a step (train.global_batch_size,
+    accumulated in micro-batches)."""
+    for suffix, (seq_len, context) in LONG_CONTEXT.items():
+        if size.endswith("_" + suffix):
+            cfg = get_config(size[:-len(suffix) - 1])
+            cfg.run.output_dir += "_" + suffix
+            cfg.train.seq_len, cfg.mesh.ici.context = seq_len, context
+            cfg.train.per_device_batch_size = 1 / context
+            cfg.train.global_batch_size = tokens_per_step // seq_len
+            for axis, mesh_axes in cfg.mesh.rules.items():  # the weights' axes, not the activations'
+                if "fsdp" in mesh_axes and "context" not in mesh_axes and not axis.startswith("activation_"):
+                    cfg.mesh.rules[axis] = [*mesh_axes, "context"]
+            return cfg
+    return None
+
+
 def reset_remat(cfg, policy):
     """Sets remat.policy and drops every per-tensor setting and layer group, in place."""
     with cfg.unlocked():
