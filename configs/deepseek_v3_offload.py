@@ -27,8 +27,12 @@ DEVICE = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out", "ou
 
 
 def get_config(size="671b"):
-    long = long_context_variant(get_config, size)  # e.g. 671b_32k: 32,768 tokens a sequence (docs/parallelism.md)
+    # e.g. 671b_32k: 32,768 tokens a sequence, 4,096 of them on each GPU as at the recipe's own length
+    # (docs/parallelism.md); at 128K that is 32 GPUs a sequence, so 4 experts' GPUs instead of 8
+    long = long_context_variant(get_config, size, tokens_per_gpu=4096)
     if long is not None:
+        if long.train.seq_len == 131072:
+            long.mesh.ici.expert = 4
         return long
     if size.endswith("_mxfp8"):  # e.g. small_mxfp8: the same recipe with MXFP8 GEMMs (docs/fp8.md; 671b_mxfp8 fits
         #                           2x16x4 GB200 but is predicted slower than BF16 there: collective-bound)

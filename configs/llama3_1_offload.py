@@ -16,7 +16,8 @@ from MaxOffload.config.loader import load_file
 
 
 def get_config(size="8b"):
-    long = long_context_variant(get_config, size)  # e.g. 405b_128k: 131,072 tokens a sequence (docs/parallelism.md)
+    # e.g. 405b_128k: 131,072 tokens a sequence, 16,384 of them on each GPU (docs/parallelism.md)
+    long = long_context_variant(get_config, size, tokens_per_gpu=16384)
     if long is not None:
         return long
     if size.endswith("_fp8"):  # e.g. 405b_fp8: the same recipe with per-tensor FP8 GEMMs (docs/fp8.md)

@@ -59,7 +59,7 @@ def test_quickstart_values():
 
 
 @pytest.mark.parametrize("spec, seq_len, ways", [("llama3_1_offload.py:405b_128k", 131072, 8),
-                                                  ("deepseek_v3_offload.py:671b_32k", 32768, 2)])
+                                                  ("deepseek_v3_offload.py:671b_32k", 32768, 8)])
 def test_long_context_variants_split_each_sequence_over_the_context_axis(spec, seq_len, ways):
     """A recipe's _32k / _128k variant: one sequence per `ways` GPUs, the weights (not the activations' batch)
     sharded over the context axis too, 16.8M tokens a step, the rest of the recipe unchanged."""

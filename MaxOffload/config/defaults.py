@@ -199,20 +199,20 @@ def add_layer_group(cfg, name, layers, policy="", **tensors):
         cfg.remat.groups[name] = layer_group(layers, policy, **tensors)
 
 
-# the long-context variants of a recipe (configs/*_offload.py:SIZE_32k, SIZE_128k): tokens per sequence and the
-# context axis that splits each one, so that a GPU holds 16,384 of a sequence's tokens at either length
-LONG_CONTEXT = {"32k": (32768, 2), "128k": (131072, 8)}
+# the long-context variants of a recipe (configs/*_offload.py:SIZE_32k, SIZE_128k): tokens per sequence
+LONG_CONTEXT = {"32k": 32768, "128k": 131072}
 
 
-def long_context_variant(get_config, size, tokens_per_step=2 ** 24):
+def long_context_variant(get_config, size, tokens_per_gpu, tokens_per_step=2 ** 24):
     """The long-context variant that `size` names (e.g. 405b_128k: get_config("405b") at 131,072 tokens), or None
-    when it names none. Each sequence is split over mesh.ici.context (its flash attention per shard, keys and values
-    gathered), one sequence per context group of GPUs (per_device_batch_size 1/context), the weights sharded over
-    the context axis as well as fsdp (mesh.rules), and `tokens_per_step` tokens a step (train.global_batch_size,
-    accumulated in micro-batches)."""
-    for suffix, (seq_len, context) in LONG_CONTEXT.items():
+    when it names none. Each sequence is split over mesh.ici.context so that a GPU holds `tokens_per_gpu` of its
+    tokens (the flash attention per shard, keys and values gathered), one sequence per context group of GPUs
+    (per_device_batch_size 1/context), the weights sharded over the context axis as well as fsdp (mesh.rules),
+    and `tokens_per_step` tokens a step (train.global_batch_size, accumulated in micro-batches)."""
+    for suffix, seq_len in LONG_CONTEXT.items():
         if size.endswith("_" + suffix):
             cfg = get_config(size[:-len(suffix) - 1])
+            context = seq_len // tokens_per_gpu
             cfg.run.output_dir += "_" + suffix
             cfg.train.seq_len, cfg.mesh.ici.context = seq_len, context
             cfg.train.per_device_batch_size = 1 / context
