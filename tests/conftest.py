@@ -14,14 +14,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", None):  # xdist would order the files by their number of tests
+        config.option.loadscopereorder = False  # LONGEST_FIRST's order instead
     config.addinivalue_line("markers", "once: the test's subject does not depend on the Python/JAX version (one-line "
                                        "errors, file formats, the launcher, reports): .ci/run runs it on one stack")
 
 
-# The test files, longest first (their summed test times on the py311 stack, benchmarks/results/README.md): `pytest
-# -n 2 --dist loadfile` hands whole files to the two workers in collection order, so the long files start first
-# and the workers finish together instead of one running the last long file alone. Unlisted files come after,
-# in name order.
+# The test files, longest first (their summed test times on the py311 stack): `pytest -n 2 --dist loadfile` hands
+# whole files to the two workers in collection order (pytest_configure turns off xdist's own reordering, by the
+# number of tests in a file), so the long files start first and the workers can finish together instead of one
+# running the last long file alone. Unlisted files come after, in name order.
 LONGEST_FIRST = ["test_deepseek.py", "test_planner.py", "test_fp8.py", "test_grad_accum.py", "test_checkpoint.py",
                  "test_offload.py", "test_aot.py", "test_mtp.py", "test_parallel.py", "test_model.py",
                  "test_slurm.py", "test_planner_hbm.py", "test_convert_hf.py", "test_moe_parts.py", "test_cli.py",
