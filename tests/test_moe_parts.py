@@ -119,7 +119,7 @@ def train(cfg, steps):
     setup = from_config.train_setup(cfg)
     state, step = setup.init_state(), setup.compile_train_step()
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 64, (cfg.train.per_device_batch_size, cfg.train.seq_len + 1)).astype(np.int32)
+    tokens = rng.integers(0, 64, (int(cfg.train.per_device_batch_size), cfg.train.seq_len + 1)).astype(np.int32)
     batch = setup.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
                              "mask": np.ones(tokens[:, 1:].shape, np.float32)})
     losses, metrics = [], None
