@@ -275,22 +275,29 @@ def square_buffers(text, length, ways, at_least=512):
     return sorted(found)
 
 
-# DeepSeek-V3 small (MLA) compiles without a [q, k] buffer too, but needs 2.03x (0.84 GiB against 0.41): its keys
-# and values per head are large beside its narrow layers
-LONG_CONTEXT = {"llama": ["configs/llama3_1.py:8b"]}
+# DeepSeek-V3 small (MLA) gathers its latent and makes the keys and values block by block (model.mla_context_gather)
+LONG_CONTEXT = {"llama": ["configs/llama3_1.py:8b"], "deepseek": ["configs/deepseek_v3.py:small"]}
 
 
 @pytest.mark.parametrize("family", sorted(LONG_CONTEXT))
 def test_128k_tokens_over_eight_gpus_compile_with_the_flash_kernel_per_shard_and_no_dense_mask(family):
-    """Deviceless GB200, two layers at the model's width (Llama 3.1 8B): 131,072 tokens
+    """Deviceless GB200, two layers at the model's width (Llama 3.1 8B, DeepSeek-V3 small): 131,072 tokens
     split 8 ways attend through tokamax's flash kernels per shard without a float32 or boolean
-    [.., q, k] buffer (q, k >= 512: no dense mask, no scores), the audit holding them to their work multiple, and
+    [.., q, k] buffer (q, k >= 512: no dense mask, no scores), the kernels in a loop over the earlier key blocks
+    doing exactly their work multiple (in sequence order: the last shard's C - 1 blocks on every shard), and
     need at most twice the temporaries of the same 16,384 tokens per GPU on one GPU (one sequence: a per-device
-    batch of 1/8; what grows is the gathered keys and values, linearly)."""
+    batch of 1/8; what grows is the gathered keys and values or latent, linearly)."""
     context = ["mesh.ici.context=8", "mesh.ici.fsdp=1", "train.per_device_batch_size=0.125"]
     text, work, temp = _attention_step("flash", 131072, (*LONG_CONTEXT[family], *context), "1x2x4", "full")
     assert "__gpu$xla.gpu.triton" in text and square_buffers(text, 131072, 8) == [], square_buffers(text, 131072, 8)
     assert work["counted_kernels"]["PallasTritonFlashAttentionVjp"] > 0 and work["warnings"] == [], work
+    scores = work["components"]["attention_scores"]
+    # per shard its own 16,384 queries' causal half and 7 earlier blocks whole, of the causal half of 131,072^2;
+    # each (query, key) pair's forward + backward FLOPs against the model's 3 x forward (audit.py)
+    qk, v = (48, 32) if family == "deepseek" else (128, 128)
+    expected = 8 * (16384 * 16385 / 2 + 7 * 16384 ** 2) / (131072 ** 2 / 2) * (8 * qk + 6 * v) / (6 * (qk + v))
+    assert (scores["compiled_flops"] - scores["recompute_flops"]) / scores["model_flops"] == pytest.approx(expected,
+                                                                                                         rel=0.01)
     _, _, one_gpu = _attention_step("flash", 16384, LONG_CONTEXT[family], "1x1x1", "full")
     print(f"{family}: temporaries {temp / 2**30:.2f} GiB per GPU at 131,072 tokens over 8, {one_gpu / 2**30:.2f} GiB "
           "at 16,384 on one")

@@ -325,3 +325,28 @@ def test_the_cost_model_times_the_fp8_parts_gemms_at_the_fp8_rate(tmp_path):
     assert fp8["mlpwi_0"] == pytest.approx(bf16["mlpwi_0"] / 2) and fp8["attention_out"] == bf16["attention_out"]
     gate = next(c for c in cost_model(mc, groups, m, cfg.train.seq_len)[0] if c.name == "mlpwi_0").recompute_flops
     assert fp8_group.forward_s == pytest.approx(bf16_group.forward_s - gate / 2 / m.peak_flops)
+
+
+def test_under_a_context_axis_the_plan_counts_a_shards_tokens_and_inspect_finds_it_in_the_step(tmp_path):
+    """4 sequences of 64 tokens split 4 ways (context 4 x fsdp 2 on 8 GB200s, load-balanced, the flash kernel per
+    shard) against the same 4 sequences on 2 GPUs without a context axis: every candidate holds a quarter of the
+    bytes and of the recompute FLOPs (the attention output's still over all 64 keys), and every planned decision
+    is what inspect reads from the context-parallel step."""
+    from MaxOffload.offload.inspect import activation_groups
+
+    common = [*TINY, "remat.policy=auto", "model.attention=flash", f"run.output_dir={tmp_path}"]
+    whole = planner.decide(load([*common, "mesh.ici.fsdp=2"]), "gb200", "1x1x2", confirm=False, log=quiet)
+    cfg = load([*common, "mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true",
+                "train.per_device_batch_size=0.5"])
+    split = planner.decide(cfg, "gb200", "1x2x4", confirm=False, log=quiet)
+    before = {c.name: c for c in whole.candidates}
+    assert {c.name for c in split.candidates} == set(before)
+    for c in split.candidates:
+        assert (c.bytes * 4, c.recompute_flops * 4) == (before[c.name].bytes, before[c.name].recompute_flops), c.name
+    groups, problems, _ = activation_groups(cfg, from_config.train_setup(
+        cfg, planner._target_devices("gb200", "1x2x4"), planner.to_offload_plan(from_config.template(cfg), split)))
+    assert not problems
+    seen = {(entry["model_group"], name): t["result"] for entry in groups.values()
+            for name, t in entry["tensors"].items()}
+    expected = {OFFLOAD: "offload", DEVICE: "device", REMAT: "remat"}
+    assert split.decisions and all(seen[key] == expected[d] for key, d in split.decisions.items())

@@ -208,13 +208,15 @@ def long_context_variant(get_config, size, tokens_per_gpu, tokens_per_step=2 ** 
     when it names none. Each sequence is split over mesh.ici.context so that a GPU holds `tokens_per_gpu` of its
     tokens (the flash attention per shard, keys and values gathered), one sequence per context group of GPUs
     (per_device_batch_size 1/context), the weights sharded over the context axis as well as fsdp (mesh.rules),
-    and `tokens_per_step` tokens a step (train.global_batch_size, accumulated in micro-batches)."""
+    and `tokens_per_step` tokens a step (train.global_batch_size, accumulated in micro-batches), each context shard
+    holding two chunks of the sequence so that all do the same causal work (mesh.context_load_balance)."""
     for suffix, seq_len in LONG_CONTEXT.items():
         if size.endswith("_" + suffix):
             cfg = get_config(size[:-len(suffix) - 1])
             context = seq_len // tokens_per_gpu
             cfg.run.output_dir += "_" + suffix
             cfg.train.seq_len, cfg.mesh.ici.context = seq_len, context
+            cfg.mesh.context_load_balance = True
             cfg.train.per_device_batch_size = 1 / context
             cfg.train.global_batch_size = tokens_per_step // seq_len
             for axis, mesh_axes in cfg.mesh.rules.items():  # the weights' axes, not the activations'

@@ -28,7 +28,7 @@ from flax import nnx
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models import components, kernels, matmul, routing
 from MaxOffload.models.base import ModelConfig, field
-from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, attention, param
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, KeySource, RMSNorm, SwiGLU, attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
 from MaxOffload.models.stack import DecoderModel, masked_cross_entropy, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE
@@ -36,6 +36,7 @@ from MaxOffload.offload import names
 from MaxOffload.parallel.layout import NONE
 
 
+MLA_CONTEXT_GATHER = ("latent", "kv")
 # Per-layer MoE metrics (moe/max_load_layerN, ...) for models with at most this many MoE layers.
 PER_LAYER_METRICS_UP_TO = 8
 
@@ -106,6 +107,11 @@ class DeepSeekConfig(ModelConfig):
     mtp_loss_weight: float = field(0.3, "deepseek: lambda of multi-token prediction: loss = main loss + lambda / D "
                                         "x the depths' cross-entropies (DeepSeek-V3: 0.3 early in training, 0.1 "
                                         "later)")
+    mla_context_gather: str = field('latent', "deepseek MLA over a sequence split by context axes (mesh."
+                                              "context_attention=all_gather): what each shard all-gathers: latent "
+                                              "(the kv latent and the RoPE key, kv_lora_rank + qk_rope_head_dim a "
+                                              "token; keys and values made from them block by block on every shard) "
+                                              "| kv (the per-head keys and values): docs/parallelism.md")
     moe_buffer_factor: float = field(0.0, "deepseek, dropless: rows per device = factor x a balanced step's (0 = "
                                           "the worst case, every choice on this device's experts); choices past it "
                                           "are dropped and counted in moe/dropped_fraction")
@@ -139,6 +145,7 @@ class DeepSeekConfig(ModelConfig):
         self.require_non_negative("num_shared_experts", "router_bias_update_rate", "seq_balance_loss_weight",
                                   "capacity_factor", "moe_buffer_factor", "mtp_depth", "mtp_loss_weight")
         require_choice("model.moe_kernel", self.moe_kernel, kernels.GROUPED_GEMM)
+        require_choice("model.mla_context_gather", self.mla_context_gather, MLA_CONTEXT_GATHER)
         require_choice("model.router", self.router, tuple(routing.ROUTERS))
         require(not (self.capacity_factor and self.moe_buffer_factor),
                 "model.moe_buffer_factor bounds dropless mode's rows; with model.capacity_factor set, the capacity "
@@ -233,16 +240,35 @@ def rope_setup(c):
 # Multi-head latent attention
 
 
+LATENT_AXES = ("activation_batch", "activation_length", None)
+
+
+def mla_keys(numerics, sources, weights, tag=False):
+    """MLA's keys and values from the kv latent [b, l, r] and the RoPE key [b, l, 1, rope] (`sources`) and the
+    up-projections wk_b, wv_b (`weights`): k = [latent wk_b, the RoPE key for every head], v = latent wv_b. `tag`:
+    name them key_proj / value_proj for the remat policies (the whole layer's; not when a context shard makes them
+    block by block from a gathered latent, where they are no activation of its tokens). Inside that shard_map
+    under mxfp8, per-tensor FP8 (jax's MXFP8 VJP drops the manual axes of its gradients, as for the capacity
+    experts: models/matmul.grouped)."""
+    (latent, k_rope), (wk_b, wv_b) = sources, weights
+    if not tag and numerics.mode == "mxfp8":
+        numerics = dataclasses.replace(numerics, mode="fp8")
+    k_nope, v = (matmul.dense(latent, w, "blr,rhd->blhd", components.PROJECTIONS, numerics) for w in (wk_b, wv_b))
+    if tag:
+        k_nope, v = numerics.tag(k_nope, names.KEY_PROJ), numerics.tag(v, names.VALUE_PROJ)
+    return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1), v
+
+
 class MLA(nnx.Module):
     """Queries from a normalised q latent; keys and values from a normalised kv latent shared by all heads,
     plus a RoPE key part (qk_rope_head_dim) also shared by all heads (decoupled RoPE)."""
 
     def __init__(self, *, emb_dim, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, numerics,
-                 init_std, rngs, attention="auto", layout=NONE):
+                 init_std, rngs, attention="auto", layout=NONE, context_gather="latent"):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
         self.rope_amplitude, self.softmax_scale, self.numerics = rope_amplitude, softmax_scale, numerics
-        self.layout = layout
+        self.layout, self.context_gather = layout, context_gather
         self.attention_choice = attention
         self.nope, self.kv_lora_rank = qk_nope_head_dim, kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
@@ -273,13 +299,20 @@ class MLA(nnx.Module):
         q = self.numerics.tag(project("blr,rhd->blhd", q_latent, self.wq_b), names.QUERY_PROJ)
         kv = self.numerics.tag(project(None, x, self.wkv_a), names.KV_WA_PROJ)
         kv_latent = self.numerics.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
-        k_nope = self.numerics.tag(project("blr,rhd->blhd", kv_latent, self.wk_b), names.KEY_PROJ)
-        v = self.numerics.tag(project("blr,rhd->blhd", kv_latent, self.wv_b), names.VALUE_PROJ)
         k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+        if self.layout.gathers_context and self.context_gather == "latent":
+            weights = (self.wk_b, self.wv_b)
+            source = KeySource((kv_latent, k_rope), (LATENT_AXES, LATENT_AXES + (None,)),
+                               functools.partial(mla_keys, self.numerics), tuple(w[...] for w in weights),
+                               tuple(tuple(w.out_sharding) for w in weights))
+            k = v = None
+        else:
+            k, v = mla_keys(self.numerics, (kv_latent, k_rope),
+                            tuple(matmul.weight(w, self.numerics, self.layout) for w in (self.wk_b, self.wv_b)), True)
+            source = None
         out = self.numerics.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout,
-                                          positions), names.ATTENTION_OUT)
+                                          positions, source), names.ATTENTION_OUT)
         out = project("blhd,hde->ble", out, self.wo)
         return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
@@ -301,7 +334,7 @@ class DecoderLayer(nnx.Module):
                              kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                              qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, inv_freq=inv_freq,
                              rope_amplitude=amplitude, softmax_scale=softmax_scale, norm_eps=c.norm_eps,
-                             attention=c.attention, **common)
+                             attention=c.attention, context_gather=c.mla_context_gather, **common)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         if moe:
             self.mlp = MoE(emb_dim=c.emb_dim, num_experts=c.num_experts, mlp_dim=c.moe_mlp_dim,

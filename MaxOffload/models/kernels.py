@@ -163,33 +163,22 @@ def _piece_op(kernel):
     return api.IMPLEMENTATIONS[name if name == "triton" else "xla"]
 
 
-def _keys_mask(keys_before):
-    """tokamax's mask for "only the keys before `keys_before`" (a traced scalar), one row for every query: no
-    [queries, keys] array, in the forward (which skips the key blocks past it) or the backward kernel."""
-    if keys_before is None:
-        return None
-    from tokamax._src.ops.attention import base
-
-    return base.Mask(k_end=jax.numpy.reshape(keys_before, (1, 1)).astype(jax.numpy.int32))
-
-
-def flash_attention_piece(q, k, v, scale, kernel, causal, keys_before=None):
+def flash_attention_piece(q, k, v, scale, kernel, causal):
     """Attention of q [b, l, heads, d] to one piece of its keys, k, v [b, s, kv_heads, .]: `causal` (aligned: the
-    queries and keys are the same positions) or to the first `keys_before` keys. Returns (the output normalized
+    queries and keys are the same positions) or to all of them. Returns (the output normalized
     within the piece, its log-sum-exp [b, heads, l] in float32), which combine across pieces."""
-    out, (m, l) = _piece_op(kernel)(q, k, v, logits_scale=scale, is_causal=causal, mask=_keys_mask(keys_before),
-                                    return_residuals=True)
+    out, (m, l) = _piece_op(kernel)(q, k, v, logits_scale=scale, is_causal=causal, return_residuals=True)
     return out, (0.0 if m is None else m) + jax.numpy.log(l)
 
 
-def flash_attention_piece_vjp(q, k, v, scale, kernel, causal, keys_before, lse, out, dout):
+def flash_attention_piece_vjp(q, k, v, scale, kernel, causal, lse, out, dout):
     """(dq, dk, dv) of one piece of an attention (flash_attention_piece's arguments), given the whole attention's
     output, its cotangent and its log-sum-exp: the piece's probabilities are then exp(scores - lse), the whole
     attention's, and the pieces' gradients sum to the whole's. tokamax's VJP kernel on GPUs (its residuals are
     (max, sum): (lse, 1) says the same); elsewhere the same formulas in XLA."""
     op = _piece_op(kernel)
     if op.vjp is not None:
-        bound = op.bind(q, k, v, logits_scale=scale, is_causal=causal, mask=_keys_mask(keys_before))
+        bound = op.bind(q, k, v, logits_scale=scale, is_causal=causal)
         kwargs = {name: value for name, value in bound.kwargs.items() if name != "return_residuals"}
         grads = op.vjp((lse, jax.numpy.ones_like(lse)), out, dout, *bound.args, **kwargs)
         return (grads["q"], grads["k"], grads["v"]) if isinstance(grads, dict) else tuple(grads[:3])
@@ -198,7 +187,7 @@ def flash_attention_piece_vjp(q, k, v, scale, kernel, causal, keys_before, lse, 
     k_all, v_all = (jnp.repeat(a, group, axis=2).astype(f32) for a in (k, v))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(f32), k_all) * scale
     rows, keys = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
-    visible = (rows >= keys) if causal else (keys < keys_before) if keys_before is not None else True
+    visible = (rows >= keys) if causal else True
     p = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
     dout, out = dout.astype(f32), out.astype(f32)
     dv = jnp.einsum("bhqk,bqhd->bkhd", p, dout)

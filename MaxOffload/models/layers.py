@@ -4,6 +4,8 @@ Parameters carry logical axis names (`embed`, `heads`, `mlp`, ...); the parallel
 (parallel/layout.py) maps them to mesh axes. Every weight matmul goes through models/matmul.py. Activations that a
 remat policy may name are tagged from offload.names.
 """
+import dataclasses
+import functools
 import math
 
 import jax
@@ -56,18 +58,18 @@ def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK, layout=N
     attention takes by construction under `kernel` (models/kernels.attention_for): the xla path's blocks
     (xla_work_multiple), or over a context split gathering keys (context_attention) every query x every key: 2;
     flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py _attention_flops:
-    (8 d + 6 dv) / (6 (d + dv))); flash over a context split gathering keys (context_flash_attention), as the audit
-    counts its kernels from their shapes: each chunk of c queries x every key for the earlier keys (the forward
-    kernel skips the blocks past the bound, so this over-counts it; the backward computes them) and c (c + 1) / 2
-    pairs for its own: 2 + (c + 1) / T."""
+    (8 d + 6 dv) / (6 (d + dv))); flash over C context shards gathering keys (context_flash_attention), as the audit
+    counts its kernels from their shapes: each chunk of c queries c (c + 1) / 2 pairs with its own keys and c^2 with
+    each earlier block of c keys: load-balanced exactly the causal half's (T + 1) / T; in sequence order every shard
+    computes the last shard's C - 1 blocks, (c + 1) / T + 2 - 2 / C."""
     if kernel == "xla":
         if layout.gathers_context:
             return 2.0
         return xla_work_multiple(length, block)
     per_pair = (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
-    if layout.gathers_context:
-        chunk = length // (layout.context_ways * (1 if layout.token_order(length) is None else 2))
-        return (2 + (chunk + 1) / length) * per_pair
+    if layout.gathers_context and layout.token_order(length) is None:
+        ways = layout.context_ways
+        return ((length // ways + 1) / length + 2 - 2 / ways) * per_pair
     return (length + 1) / length * per_pair
 
 
@@ -142,99 +144,215 @@ def masked_attention(q, k, v, q_positions, k_positions, scale=None, block=BLOCK)
     return out.reshape(b, length, heads, v.shape[-1])
 
 
+@dataclasses.dataclass(frozen=True)
+class KeySource:
+    """What a shard of a sequence split over context axes all-gathers to make the keys and values of the whole
+    sequence: per-token `sources` [b, l, ...] with their logical `axes`, and `expand(sources, weights) -> (k, v)`
+    for any span of tokens, with `weights` (values, their logical `weight_axes`: gathered over all but their
+    tensor-parallel axes). The keys and values themselves (`of_keys`: expand returns them), or MLA's latent and
+    RoPE key, expanded block by block on every shard (models/deepseek.py, model.mla_context_gather=latent)."""
+    sources: tuple
+    axes: tuple
+    expand: object = None  # None: the sources are (k, v)
+    weights: tuple = ()
+    weight_axes: tuple = ()
+
+    @classmethod
+    def of_keys(cls, q, k, v):
+        kv_axes = Q_AXES if k.shape[2] == q.shape[2] else KV_AXES
+        return cls((k, v), (kv_axes, kv_axes))
+
+    def keys(self, sources, weights):
+        """(k, v) of a span of tokens from its sources."""
+        return _keys(self.expand, sources, weights)
+
+    def shard_map_args(self, layout):
+        """(sources, weights) and their PartitionSpecs on the layout's mesh, as a shard_map takes them."""
+        weights = tuple(layout.gather_weight(w, a) for w, a in zip(self.weights, self.weight_axes))
+        specs = (tuple(layout.spec(a) for a in self.axes),
+                 tuple(layout.weight_spec(w, a) for w, a in zip(self.weights, self.weight_axes)))
+        return (self.sources, weights), specs
+
+
 @components.scoped(components.ATTENTION_SCORES)
-def context_attention(q, k, v, positions, scale, layout):
-    """Causal attention of a sequence split over the layout's context axes (its all_gather strategy): each
-    shard all-gathers the keys, the values and their positions over those axes and attends its own queries to
-    them by position (masked_attention), so a load-balanced token order needs nothing else. Per shard: keys and
-    values of the whole sequence, scores of its queries x every key."""
-    kv_axes = Q_AXES if k.shape[2] == q.shape[2] else KV_AXES
-    specs = (layout.spec(Q_AXES), layout.spec(kv_axes), layout.spec(kv_axes), layout.spec(Q_AXES[:2]))
+def context_attention(q, source, positions, scale, layout):
+    """Causal attention of a sequence split over the layout's context axes (its all_gather strategy), the XLA
+    path: each shard all-gathers the key source (KeySource) and the positions over those axes, makes the keys and
+    values of the whole sequence and attends its own queries to them by position (masked_attention), so a
+    load-balanced token order needs nothing else. Per shard: keys and values of the whole sequence, scores of its
+    queries x every key."""
+    (sources, weights), (source_specs, weight_specs) = source.shard_map_args(layout)
     context = layout.context
 
-    def local(q, k, v, q_positions):
-        k, v, k_positions = (jax.lax.all_gather(a, context, axis=1, tiled=True) for a in (k, v, q_positions))
-        return masked_attention(q, k, v, q_positions, k_positions, scale)
+    def local(q, sources, weights, q_positions):
+        gather = lambda a: jax.lax.all_gather(a, context, axis=1, tiled=True)  # noqa: E731
+        k, v = source.keys(tuple(gather(a) for a in sources), weights)
+        return masked_attention(q, k, v, q_positions, gather(q_positions), scale)
 
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0])(q, k, v, positions)
-
-
-def _chunk_attention(q, k, v, keys, values, start, scale, kernel):
-    """Causal attention of a chunk of queries (positions start..start+l-1) to the keys and values of the same
-    positions (k, v) and to every earlier one (the first `start` of keys, values: the whole sequence in order), as
-    two flash pieces (models/kernels.flash_attention_piece) combined by their log-sum-exp."""
-    return _chunk_attention_fwd(q, k, v, keys, values, start, scale, kernel)[0]
+    specs = (layout.spec(Q_AXES), source_specs, weight_specs, layout.spec(Q_AXES[:2]))
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0])(q, sources, weights,
+                                                                                      positions)
 
 
-def _chunk_attention_fwd(q, k, v, keys, values, start, scale, kernel):
-    before, lse_before = kernels.flash_attention_piece(q, keys, values, scale, kernel, False, start)
-    own, lse_own = kernels.flash_attention_piece(q, k, v, scale, kernel, True)
-    lse = jnp.logaddexp(lse_before, lse_own)  # [b, heads, l]
-    weight = lambda piece: jnp.moveaxis(jnp.exp(piece - lse), -1, -2)[..., None]  # noqa: E731  [b, l, heads, 1]
-    out = (before * weight(lse_before) + own * weight(lse_own)).astype(q.dtype)
-    return out, (q, k, v, keys, values, start, out, lse)
+def _keys(expand, sources, weights):
+    return tuple(sources) if expand is None else expand(tuple(sources), weights)
 
 
-def _chunk_attention_bwd(scale, kernel, residuals, dout):
-    q, k, v, keys, values, start, out, lse = residuals
-    dq_before, dkeys, dvalues = kernels.flash_attention_piece_vjp(q, keys, values, scale, kernel, False, start, lse,
-                                                                  out, dout)
-    dq_own, dk, dv = kernels.flash_attention_piece_vjp(q, k, v, scale, kernel, True, None, lse, out, dout)
-    return dq_before + dq_own, dk, dv, dkeys, dvalues, None
+def _earlier_block(t, shard, chunks):
+    """Iteration t of a shard's loop over (its query chunk, an earlier key block) pairs -> (chunk, block,
+    whether the pair is causal work). One chunk (shard i of C holds positions i c .. (i + 1) c - 1): blocks 0..C-2,
+    those from i on past its causal edge (computed, then dropped: the last shard, which sets the step's time,
+    does all C-1). Two chunks (load balancing: chunks i and 2C-1-i): the first's i blocks, then the second's
+    2C-1-i, 2C-1 on every shard."""
+    if chunks == 1:
+        return 0, t, t < shard
+    second = (t >= shard).astype(jnp.int32)
+    return second, t - second * shard, True
 
 
-_chunk_attention = jax.custom_vjp(_chunk_attention, nondiff_argnums=(6, 7))
-_chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
+def _weighted(out, lse, total):
+    """A piece's output [b, l, heads, dv] weighted by its share exp(lse - total) of the whole softmax."""
+    return out * jnp.moveaxis(jnp.exp(lse - total), -1, -2)[..., None]
 
 
-def context_flash_attention(q, k, v, scale, kernel, layout):
+def _chunks(a, chunks):
+    """[b, chunks x c, ...] -> [chunks, b, c, ...]."""
+    return jnp.stack(jnp.split(a, chunks, axis=1))
+
+
+def _unchunk(a):
+    return jnp.concatenate(list(a), axis=1)
+
+
+def _block(a, block, size):
+    return jax.lax.dynamic_slice_in_dim(a, block * size, size, axis=1)
+
+
+def _gathered_block(block, ways, chunks):
+    """Where block `block` of the sequence (in sequence order) is in a gather of every shard's chunks: shard i's
+    chunks i and 2C-1-i follow each other under load balancing."""
+    if chunks == 1:
+        return block
+    return jnp.where(block < ways, 2 * block, 2 * (2 * ways - 1 - block) + 1)
+
+
+def _context_pieces(q, local, gathered, weights, shard, scale, kernel, expand, ways, chunks):
+    """A context shard's causal attention in flash pieces (models/kernels.flash_attention_piece): each of its
+    `chunks` chunks of c queries attends to its own keys causally and, in a loop of static length (_earlier_block),
+    to each earlier block of c keys whole, the pieces combined by their log-sum-exp. `local`: this shard's key
+    sources, `gathered`: every shard's, in shard order (KeySource); keys and values are made block by block, so no
+    buffer holds them for the whole sequence but gathered sources that are themselves keys."""
+    return _context_pieces_fwd(q, local, gathered, weights, shard, scale, kernel, expand, ways, chunks)[0]
+
+
+def _context_pieces_fwd(q, local, gathered, weights, shard, scale, kernel, expand, ways, chunks):
+    size, qs = q.shape[1] // chunks, _chunks(q, chunks)
+    pieces = [kernels.flash_attention_piece(qs[i], *_keys(expand, (_chunks(s, chunks)[i] for s in local), weights),
+                                            scale, kernel, True) for i in range(chunks)]
+    carry = (jnp.stack([o.astype(jnp.float32) for o, _ in pieces]), jnp.stack([lse for _, lse in pieces]))
+
+    def earlier(t, carry):
+        chunk, block, causal = _earlier_block(t, shard, chunks)
+        at = _gathered_block(block, ways, chunks)
+        k, v = _keys(expand, (_block(g, at, size) for g in gathered), weights)
+        out, lse = kernels.flash_attention_piece(qs[chunk], k, v, scale, kernel, False)
+        lse = jnp.where(causal, lse, -jnp.inf)
+        acc_out, acc_lse = carry[0][chunk], carry[1][chunk]
+        total = jnp.logaddexp(acc_lse, lse)
+        new = (_weighted(acc_out, acc_lse, total) + _weighted(out.astype(jnp.float32), lse, total), total)
+        return tuple(jax.lax.dynamic_update_index_in_dim(a, n, chunk, 0) for a, n in zip(carry, new))
+
+    trip = (ways - 1) if chunks == 1 else (2 * ways - 1)
+    outs, lse = jax.lax.fori_loop(0, trip, earlier, carry)
+    outs = outs.astype(q.dtype)
+    return _unchunk(outs), (q, local, gathered, weights, shard, outs, lse)
+
+
+def _context_pieces_bwd(scale, kernel, expand, ways, chunks, residuals, dout):
+    q, local, gathered, weights, shard, outs, lse = residuals
+    size, qs, douts = q.shape[1] // chunks, _chunks(q, chunks), _chunks(dout, chunks)
+    f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
+    add = lambda a, b: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)  # noqa: E731
+
+    def piece(q_chunk, chunk, sources, aligned, visible=True):
+        """(dq, d sources, d weights) of one piece given the whole attention's output and log-sum-exp; `aligned`:
+        the chunk's own keys (causal mask), `visible`: whether an earlier block is causal work (else it gives 0)."""
+        (k, v), expand_vjp = jax.vjp(functools.partial(_keys, expand), tuple(sources), weights)
+        dq, dk, dv = kernels.flash_attention_piece_vjp(q_chunk, k, v, scale, kernel, aligned, lse[chunk],
+                                                       outs[chunk], douts[chunk])
+        if visible is not True:
+            dq, dk, dv = (jnp.where(visible, a, 0) for a in (dq, dk, dv))
+        return (dq, *expand_vjp((dk, dv)))
+
+    own = [piece(qs[i], i, (_chunks(s, chunks)[i] for s in local), True) for i in range(chunks)]
+    dq = jnp.stack([d.astype(jnp.float32) for d, _, _ in own])
+    dlocal = tuple(jnp.concatenate(parts, axis=1) for parts in zip(*(d for _, d, _ in own)))
+    dweights = f32(weights)
+    for _, _, dw in own:
+        dweights = add(dweights, dw)
+
+    def earlier(t, carry):
+        dq, dgathered, dweights = carry
+        chunk, block, causal = _earlier_block(t, shard, chunks)
+        at = _gathered_block(block, ways, chunks)
+        d_q, d_sources, d_weights = piece(qs[chunk], chunk, (_block(g, at, size) for g in gathered), False, causal)
+        dq = jax.lax.dynamic_update_index_in_dim(dq, dq[chunk] + d_q.astype(jnp.float32), chunk, 0)
+        dgathered = tuple(jax.lax.dynamic_update_slice_in_dim(g, _block(g, at, size) + d.astype(g.dtype),
+                                                              at * size, axis=1)
+                          for g, d in zip(dgathered, d_sources))
+        return dq, dgathered, add(dweights, d_weights)
+
+    trip = (ways - 1) if chunks == 1 else (2 * ways - 1)
+    dq, dgathered, dweights = jax.lax.fori_loop(0, trip, earlier, (dq, tuple(jnp.zeros_like(g) for g in gathered),
+                                                                   dweights))
+    dweights = tuple(d.astype(w.dtype) for d, w in zip(dweights, weights))
+    return _unchunk(dq).astype(q.dtype), dlocal, dgathered, dweights, None
+
+
+_context_pieces = jax.custom_vjp(_context_pieces, nondiff_argnums=(5, 6, 7, 8, 9))
+_context_pieces.defvjp(_context_pieces_fwd, _context_pieces_bwd)
+
+
+def context_flash_attention(q, source, scale, kernel, layout):
     """Causal attention of a sequence split over the layout's context axes, with the flash kernel per shard (its
-    all_gather strategy): each shard all-gathers the keys and values, and each of its chunks of queries (one, or
-    two under load balancing: chunks i and 2C-1-i) attends to its own positions with the kernel's aligned causal
-    mask and to every earlier key with a key bound (one row for all queries), combined by log-sum-exp
-    (_chunk_attention). No [queries, keys] mask or score buffer exists in the forward or the backward pass; the
-    backward kernel computes the earlier keys' blocks past the bound too (they come out zero)."""
-    kv_axes = Q_AXES if k.shape[2] == q.shape[2] else KV_AXES
-    specs = (layout.spec(Q_AXES), layout.spec(kv_axes), layout.spec(kv_axes))
+    all_gather strategy): each shard all-gathers the key source (KeySource: the keys and values, or MLA's latent)
+    and attends each of its chunks of queries (one, or two under load balancing: chunks i and 2C-1-i) to its own
+    keys with the kernel's aligned causal mask and to every earlier block of keys whole, combined by log-sum-exp
+    (_context_pieces). No [queries, keys] mask or score buffer exists in the forward or the backward pass; keys
+    and values are made per block; load-balanced, the pieces are the causal half (attention_work_multiple)."""
+    (sources, weights), (source_specs, weight_specs) = source.shard_map_args(layout)
     context, ways = layout.context, layout.context_ways
     chunks = 2 if layout.token_order(q.shape[1] * ways) is not None else 1
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
-    def in_sequence_order(gathered):  # shard i's chunks i and 2C-1-i -> chunks 0..2C-1
-        if chunks == 1:
-            return gathered
-        split = gathered.reshape(gathered.shape[0], ways, 2, -1, *gathered.shape[2:])
-        return jnp.concatenate([split[:, :, 0], split[:, ::-1, 1]], axis=1).reshape(gathered.shape)
-
-    def local(q, k, v):
-        keys, values = (in_sequence_order(jax.lax.all_gather(a, context, axis=1, tiled=True)) for a in (k, v))
-        shard, size = jax.lax.axis_index(context), q.shape[1] // chunks
-        out = []
-        for i in range(chunks):
-            index = shard if i == 0 else 2 * ways - 1 - shard
-            rows = slice(i * size, (i + 1) * size)
-            out.append(_chunk_attention(q[:, rows], k[:, rows], v[:, rows], keys, values, index * size, scale,
-                                        kernel))
-        return jnp.concatenate(out, axis=1)
+    def local(q, sources, weights):
+        gathered = tuple(jax.lax.all_gather(a, context, axis=1, tiled=True) for a in sources)
+        return _context_pieces(q, sources, gathered, weights, jax.lax.axis_index(context), scale, kernel,
+                               source.expand, ways, chunks)
 
     # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(q, k, v)
+    specs = (layout.spec(Q_AXES), source_specs, weight_specs)
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
+        q, sources, weights)
 
 
-def attention(q, k, v, scale, kernel, layout=NONE, positions=None):
+def attention(q, k, v, scale, kernel, layout=NONE, positions=None, source=None):
     """Causal attention by `kernel`: models/kernels.attention_for of `model.attention` (TrainSetup chooses it for
     its devices; an unchosen one is chosen here for this process's default device). The flash kernel runs per
-    shard of the layout's query sharding. The xla path over a sequence split by the layout's context axes:
-    context_attention (`mesh.context_attention=all_gather`), or XLA's partitioning of causal_attention;
-    `positions` [b, l]: the tokens' global positions (needed when the layout reorders them)."""
+    shard of the layout's query sharding. Over a sequence split by the layout's context axes
+    (`mesh.context_attention=all_gather`) each shard gathers `source` (KeySource; by default k and v, which are
+    then not needed): context_attention (xla), context_flash_attention (flash); else XLA's partitioning of
+    causal_attention. `positions` [b, l]: the tokens' global positions (needed when the layout reorders them)."""
     kernel = kernels.attention_for(kernel, kernels.platform(jax.devices()[0]))
+    if layout.gathers_context:
+        source = source or KeySource.of_keys(q, k, v)
+        if kernel == "xla":
+            return context_attention(q, source, positions, scale, layout)
+        with jax.named_scope(components.ATTENTION_SCORES):
+            return context_flash_attention(q, source, scale, kernel, layout)
     if kernel == "xla":
-        if layout.gathers_context:
-            return context_attention(q, k, v, positions, scale, layout)
         return causal_attention(q, k, v, scale)
     with jax.named_scope(components.ATTENTION_SCORES):
-        if layout.gathers_context:
-            return context_flash_attention(q, k, v, scale, kernel, layout)
         return kernels.flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES))
 
 

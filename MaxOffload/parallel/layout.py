@@ -80,12 +80,19 @@ class ParallelLayout:
         """A parameter's value split only over its tensor-parallel mesh axes, all-gathered over the rest (fsdp, the
         expert axis's data-parallel share of a dense weight): every device holds each weight GEMM's whole
         contraction, what FSDP gathers for the GEMM anyway, as a constraint. The value itself without a mesh."""
-        value = param[...]
+        return self.gather_weight(param[...], tuple(param.out_sharding))
+
+    def gather_weight(self, value, axes):
+        """`gathered` of a weight's value with logical `axes` (inside the scan over layers the value has lost the
+        leading `layers` axis: the last value.ndim of them apply)."""
         if self.mesh is None:
             return value
-        axes = tuple(param.out_sharding)  # inside the scan over layers the value has lost the leading `layers` axis
-        spec = logical.keep_only(self.spec(axes[len(axes) - value.ndim:]), self.tensor)
-        return jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(self.mesh,
+                                                                                  self.weight_spec(value, axes)))
+
+    def weight_spec(self, value, axes):
+        """The PartitionSpec of a weight gathered over all but its tensor-parallel axes (gather_weight)."""
+        return logical.keep_only(self.spec(axes[len(axes) - value.ndim:]), self.tensor)
 
     def mesh_axes(self, axis):
         """The mesh axes one logical axis is split over (() without a mesh)."""
