@@ -36,7 +36,6 @@ import re
 from MaxOffload import hlo
 from MaxOffload.hlo import dims
 from MaxOffload.models import components
-from MaxOffload.parallel import mesh as mesh_lib
 
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 BLOCK_SCALED = "__cudnn$blockScaledDot"  # MXFP8: its operands [B, M, K], [B, N, K] (+ their scales)
@@ -342,7 +341,7 @@ def model_flops_per_device(setup):
     from MaxOffload.train import flops
 
     n, c = setup.mesh.size, setup.model_config
-    batch, seq_len = mesh_lib.sequences(setup.per_device_batch, n) * setup.micro_batches, setup.seq_len  # the step's
+    batch, seq_len = setup.batch_rows * setup.micro_batches, setup.seq_len  # the step's
     try:
         return {k: v / n for k, v in flops.by_component(c, batch, seq_len).items()}
     except NotImplementedError:

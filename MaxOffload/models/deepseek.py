@@ -381,15 +381,17 @@ class MTPLayer(nnx.Module):
         return normed, {"hidden": normed, **stats}
 
 
-def mtp_cross_entropy(mtp_logits, targets, mask):
+def mtp_cross_entropy(mtp_logits, targets, mask, laid_out=lambda *a: a):
     """Multi-token prediction's loss: the mean over depths k = 1..D of depth k's mean cross-entropy, where its
     logits at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions have no
-    such target and are masked."""
+    such target and are masked. `laid_out`: the shifted targets and mask in the logits' token order
+    (DecoderModel.laid_out)."""
     length = targets.shape[1]
     losses = []
     for k, logits in enumerate(mtp_logits, start=1):
         within = jnp.arange(length) < length - k
-        total, count = masked_cross_entropy(logits, jnp.roll(targets, -k, axis=1), jnp.roll(mask, -k, axis=1) * within)
+        total, count = masked_cross_entropy(logits, *laid_out(jnp.roll(targets, -k, axis=1),
+                                                              jnp.roll(mask, -k, axis=1) * within))
         losses.append(total / jnp.maximum(count, 1.0))
     return sum(losses) / len(losses)
 
@@ -452,7 +454,7 @@ class DeepSeek(DecoderModel):
         if "mtp_logits" not in aux:
             return 0.0, aux
         aux = dict(aux)
-        mtp = mtp_cross_entropy(aux.pop("mtp_logits"), targets, mask)
+        mtp = mtp_cross_entropy(aux.pop("mtp_logits"), targets, mask, self.laid_out)
         aux["metrics"] = {**aux.get("metrics", {}), "mtp_loss": mtp}
         return self.config.mtp_loss_weight * mtp, aux
 

@@ -149,7 +149,7 @@ class KeySource:
     """What a shard of a sequence split over context axes all-gathers to make the keys and values of the whole
     sequence: per-token `sources` [b, l, ...] with their logical `axes`, and `expand(sources, weights) -> (k, v)`
     for any span of tokens, with `weights` (values, their logical `weight_axes`: gathered over all but their
-    tensor-parallel axes). The keys and values themselves (`of_keys`: expand returns them), or MLA's latent and
+    tensor-parallel axes). The keys and values themselves (`of_keys`, without expand), or MLA's latent and
     RoPE key, expanded block by block on every shard (models/deepseek.py, model.mla_context_gather=latent)."""
     sources: tuple
     axes: tuple

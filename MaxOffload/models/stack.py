@@ -3,7 +3,6 @@ remat/offload policies, the per-layer host-to-device copy of host-resident weigh
 layers (token embedding in, final norm and unembedding out)."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -123,7 +122,8 @@ class DecoderModel(nnx.Module):
         """tokens [batch, length] int32 -> (x [batch, length, emb] in the compute dtype, positions, the
         embedding table on the device). x and positions are in the layout's token order (load balancing over
         the context axes reorders the sequence; parallel/layout.token_order): the layers see each token's global
-        position, and unembed_normed puts the hidden states back in sequence order."""
+        position, and the logits come out in that order too (the loss lays its targets out the same way:
+        `laid_out`), so no hidden state ever moves between context shards for the order."""
         cdt = jnp.dtype(self.config.compute_dtype)
         order = self.layout.token_order(tokens.shape[1])
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32) if order is None else jnp.asarray(order)
@@ -137,10 +137,11 @@ class DecoderModel(nnx.Module):
         order = self.layout.token_order(tokens.shape[-1])
         return tokens if order is None else jnp.take(tokens, order, axis=-1)
 
-    def in_sequence_order(self, x):
-        """Hidden states [..., length, emb] from the layout's token order back to the sequence's."""
-        order = self.layout.token_order(x.shape[-2])
-        return x if order is None else jnp.take(x, np.argsort(order), axis=-2)
+    def laid_out(self, *arrays):
+        """[..., length] arrays of the sequence (the targets, the mask) in the layout's token order, the order of the
+        model's logits: a few bytes a token where putting the logits or the hidden states back in sequence order
+        would move them between the context shards."""
+        return tuple(self.in_layout_order(a) for a in arrays)
 
     def logits(self, x, embed):
         """The final norm and the unembedding: logits [batch, length, vocab] float32."""
@@ -152,10 +153,9 @@ class DecoderModel(nnx.Module):
     @components.scoped(components.UNEMBED)
     def unembed_normed(self, x, embed):
         """Normalised hidden states [..., length, emb] -> logits [..., length, vocab] float32 (the output head,
-        which multi-token prediction shares), in sequence order whatever the layout's token order."""
+        which multi-token prediction shares), in the layout's token order (embed_tokens)."""
         c, host = self.config, self.params_on_host
         unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        x = self.in_sequence_order(x)
         logits = matmul.dense(x, unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
         batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
         return self.layout.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))

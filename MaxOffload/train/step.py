@@ -125,7 +125,8 @@ class TrainSetup:
         self.step_batch_sharding = self.batch_sharding if micro_batches == 1 else \
             NamedSharding(mesh, PartitionSpec(None, *self.batch_sharding.spec))
         context = logical.ways(mesh, self.batch_sharding.spec[1])
-        rows = mesh_lib.sequences(per_device_batch, mesh.size)
+        # sequences of one (micro-)batch over the whole mesh
+        rows = self.batch_rows = mesh_lib.sequences(per_device_batch, mesh.size)
         batch_ways = logical.ways(mesh, self.batch_sharding.spec[0])
         if rows % batch_ways:
             raise ConfigError(f"a batch of {rows} sequences (train.per_device_batch_size={per_device_batch:g} x "
@@ -170,7 +171,7 @@ class TrainSetup:
         are divided by `micro_batches`, so that the micro-batches' objectives sum to the step's."""
         model = nnx.merge(self.graphdef, params, model_state)
         logits, aux = _outputs(model, batch["inputs"])
-        total, own = masked_cross_entropy(logits, batch["targets"], batch["mask"])
+        total, own = masked_cross_entropy(logits, *model.laid_out(batch["targets"], batch["mask"]))
         extra, aux = model.target_losses(aux, batch["targets"], batch["mask"])
         count = jnp.maximum(own, 1.0) if count is None else count
         return total / count + aux.get("aux_loss", 0.0) / micro_batches + extra / micro_batches, aux
@@ -240,13 +241,14 @@ class TrainSetup:
         return good, {**state, "step": jax.make_array_from_callback((), sharding, lambda _: value)}
 
     def eval_step(self, params, model_state, batch):
-        logits, _ = self.forward(params, model_state, batch["inputs"])
-        return masked_cross_entropy(logits, batch["targets"], batch["mask"])
+        model = nnx.merge(self.graphdef, params, model_state)
+        logits, _ = _outputs(model, batch["inputs"])
+        return masked_cross_entropy(logits, *model.laid_out(batch["targets"], batch["mask"]))
 
     def abstract_batch(self, step=True):
         """Shapes, dtypes and shardings of one global batch (see MaxOffload.data): a step's (its micro-batches
         stacked in front when there are several), or (step=False) one batch, as evaluation takes."""
-        shape = (mesh_lib.sequences(self.per_device_batch, self.mesh.size), self.seq_len)
+        shape = (self.batch_rows, self.seq_len)
         shape, sharding = ((self.micro_batches, *shape), self.step_batch_sharding) \
             if step and self.micro_batches > 1 else (shape, self.batch_sharding)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}

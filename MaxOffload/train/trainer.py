@@ -26,7 +26,6 @@ from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed
 from MaxOffload.reports import write_json
 from MaxOffload.train import rundir
-from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.parallel.mesh import describe as mesh_describe
 from MaxOffload.profile.window import Window
 from MaxOffload.train.loop import Loop
@@ -145,7 +144,7 @@ def run(cfg, plan, devices=None):
 
 def describe_setup(cfg, setup, say):
     devices = list(setup.mesh.devices.flat)
-    global_batch = mesh_lib.sequences(cfg.train.per_device_batch_size, len(devices)) * setup.micro_batches
+    global_batch = setup.batch_rows * setup.micro_batches
     summary = {"params_total": setup.params_total(), "params_active": setup.model_config.active_params(),
                "state_bytes_per_device": setup.state_bytes_per_device(),
                "state_host_bytes_per_device": setup.state_bytes_per_device(HOST),
