@@ -354,7 +354,7 @@ def work_multiples(setup):
     from MaxOffload.models import layers
 
     c = setup.model_config
-    multiples = dict(c.compiled_work_multiples())
+    multiples = dict(c.compiled_work_multiples(setup.layout))
     if hasattr(c, "attention") and hasattr(c, "attention_dims"):
         _, _, qk_dim, v_dim = c.attention_dims()
         multiples[components.ATTENTION_SCORES] = layers.attention_work_multiple(c.attention, setup.seq_len,

@@ -28,8 +28,10 @@ one stream never overlap each other; a kernel reaches the same share of the peak
 computations (not transfers, not collectives) run on the compute stream; replica-group device ids are taken as
 global ids in slice-major order (the order MaxOffload/parallel/mesh.py builds).
 """
+import bisect
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -46,6 +48,7 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragg
 NOT_KERNELS = ("annotate_device_placement", "MoveToHost", "MoveToDevice", "SetBound", "Sharding", "SPMDFullToShard",
                "SPMDShardToFull", "AllocateBuffer")
 _SEGMENT = re.compile(r"layers_\d+_\d+")
+TRACE_EVENTS = 1_000_000  # the most events timeline.json holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,14 +463,18 @@ def _ms(seconds):
 # -- pictures ----------------------------------------------------------------------------------------------
 
 
-def trace(sim):
+def trace(sim, limit=TRACE_EVENTS):
     """The timeline as a Chrome / Perfetto trace (`traceEvents`): one track per engine, an event per kernel,
-    transfer and collective, named after its HLO instruction, with its component, segment, FLOPs and bytes."""
+    transfer and collective, named after its HLO instruction, with its component, segment, FLOPs and bytes; the
+    first `limit` of them in time (a trace viewer takes no more; the process's name says how many are left out)."""
     tids = {engine: i for i, engine in enumerate(ENGINES)}
-    events = [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": f"predicted step ({sim.rates.name})"}}]
+    shown = sorted(sim.events, key=lambda e: e.start)[:limit]
+    cut = f", its first {len(shown):,} of {len(sim.events):,} events" if len(shown) < len(sim.events) else ""
+    events = [{"ph": "M", "pid": 0, "name": "process_name",
+               "args": {"name": f"predicted step ({sim.rates.name}){cut}"}}]
     events += [{"ph": "M", "pid": 0, "tid": tid, "name": "thread_name", "args": {"name": engine}}
                for engine, tid in tids.items()]
-    for e in sim.events:
+    for e in shown:
         args = {"op_name": e.op_name, "component": e.component, "segment": e.segment}
         if e.flops:
             args["flops"] = e.flops
@@ -503,12 +510,13 @@ def layer_window(sim):
     by_loop = collections.defaultdict(list)
     for loop, i, start, end in sim.windows:
         by_loop[loop].append((start, end, i))
+    host = sorted((e.start, e.bytes) for e in sim.events if e.engine in (D2H, H2D))
+    starts, total = [s for s, _ in host], list(itertools.accumulate((b for _, b in host), initial=0))
 
-    def weight(loop):
+    def weight(loop):  # (host bytes whose transfers start in the loop's iterations, the iterations' time)
         spans = by_loop[loop]
-        host = sum(e.bytes for e in sim.events if e.engine in (D2H, H2D)
-                   and any(s <= e.start < t for s, t, _ in spans))
-        return host, sum(t - s for s, t, _ in spans)
+        moved = sum(total[bisect.bisect_left(starts, t)] - total[bisect.bisect_left(starts, s)] for s, t, _ in spans)
+        return moved, sum(t - s for s, t, _ in spans)
 
     loop = max(by_loop, key=weight)
     start, end, i = by_loop[loop][len(by_loop[loop]) // 2]

@@ -49,7 +49,8 @@ CONTEXT_RUNS = {
     "context8_balanced_kv_mtp": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "mesh.context_load_balance=true",
                                  "model.mla_context_gather=kv", "model.mtp_depth=1"],
     # the flash kernel per shard (tokamax's XLA implementation on CPU) on MLA's head dimensions (q/k 48, v 32), from
-    # the gathered latent
+    # the gathered latent, in sequence order and load-balanced
+    "context8_flash_mtp": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "model.attention=flash", "model.mtp_depth=1"],
     "context4_fsdp2_balanced_flash_mtp": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true",
                                           "model.attention=flash", "model.mtp_depth=1"],
 }
@@ -626,11 +627,12 @@ def test_expert_parallel_equals_single_device(ep_runs, name, reference):
     assert np.abs(np.asarray(ref["router_bias"])).max() > 0  # the biases did move
 
 
-@pytest.mark.parametrize("name", ["context4_fsdp2_mtp", "context8_balanced_kv_mtp", "context4_fsdp2_balanced_flash_mtp"])
+@pytest.mark.parametrize("name", ["context4_fsdp2_mtp", "context8_balanced_kv_mtp", "context8_flash_mtp",
+                                  "context4_fsdp2_balanced_flash_mtp"])
 def test_context_parallel_mla_with_mtp_equals_single_device(background, name):
-    """MLA attention and multi-token prediction over a sequence split 4 (x fsdp 2) and 8 ways, the second in the
-    load-balanced layout, the third load-balanced through the flash kernel per shard: the losses, the MTP loss and
-    the router biases of the one-device run."""
+    """MLA attention and multi-token prediction over a sequence split 4 (x fsdp 2) and 8 ways, in sequence order and
+    load-balanced, on the XLA path and through the flash kernel per shard, gathering the latent (the default) or
+    the keys and values: the losses, the MTP loss and the router biases of the one-device run."""
     code, out, err = background.result("context", timeout=1500)
     assert code == 0, err[-3000:]
     runs = json.loads(out.strip().splitlines()[-1])

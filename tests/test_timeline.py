@@ -256,6 +256,10 @@ def test_the_quickstart_on_gb200_exposes_its_copies_under_baseline_and_the_trace
     assert expected and all(seen[name] == n for name, n in expected.items()), \
         {n: (seen[n], k) for n, k in expected.items() if seen[n] != k}
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    # a step of more events than a trace viewer takes: its first ones in time, and the trace says so
+    short = timeline.trace(sim, limit=10)["traceEvents"]
+    assert [e["ts"] for e in short if e["ph"] == "X"] == sorted(e.start * 1e6 for e in sim.events)[:10]
+    assert f"its first 10 of {len(sim.events):,} events" in short[0]["args"]["name"]
 
 
 @pytest.mark.once

@@ -24,9 +24,9 @@ class FromConfig:
         FLOPs the compiled-work audit (MaxOffload/audit.py) holds each part of the compiled step to."""
         raise NotImplementedError(f"{type(self).__name__} does not split its matmul parameters by component")
 
-    def compiled_work_multiples(self):
+    def compiled_work_multiples(self, layout=None):
         """{models/components part: x}: the multiple of its model FLOPs a part computes by construction under
-        this configuration (the audit's expectation; 1 when absent), e.g. padding rows."""
+        this configuration and parallel layout (the audit's expectation; 1 when absent), e.g. padding rows."""
         return {}
 
     def params_stored_twice(self):

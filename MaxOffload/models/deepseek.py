@@ -194,12 +194,22 @@ class DeepSeekConfig(ModelConfig):
         (embed_tokens, shared_head.head), which this model shares with the main model."""
         return self.mtp_depth * (1 if self.tie_embeddings else 2) * self.vocab_size * self.emb_dim
 
-    def compiled_work_multiples(self):
+    def compiled_work_multiples(self, layout=NONE):
         """Capacity mode computes every expert's `capacity` rows, filled or not: ~capacity_factor x the
         routed experts' model FLOPs (which count each token's top-k choices once); a dropless buffer's rows are
-        the kernel's shapes, which the audit counts: ~moe_buffer_factor x."""
+        the kernel's shapes, which the audit counts: ~moe_buffer_factor x. Gathering MLA's latent over C context
+        shards (mla_context_gather=latent), every shard makes the keys and values of about the whole sequence
+        (C + 1/2 of its shard's tokens load-balanced: its own two chunks and 2C - 1 blocks) in the forward pass and
+        again in the backward's three GEMMs (the keys, the latent's and the weights' gradients): the up-projections
+        wk_b, wv_b at 4 (C + 1/2) / 3 their model FLOPs, the rest of the projections at 1."""
         factor = self.capacity_factor or self.moe_buffer_factor
-        return {components.EXPERTS: factor} if factor else {}
+        multiples = {components.EXPERTS: factor} if factor else {}
+        if layout is not None and layout.gathers_context and self.mla_context_gather == "latent":
+            ways = layout.context_ways + (0.5 if layout.load_balance else 0)
+            up = self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            share = (self.num_layers + self.mtp_depth) * up / self.matmul_params_by_component()[components.PROJECTIONS]
+            multiples[components.PROJECTIONS] = 1 + share * (4 * ways / 3 - 1)
+        return multiples
 
     def contractions(self, model_group, seq_len):
         """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul,
@@ -243,6 +253,7 @@ def rope_setup(c):
 LATENT_AXES = ("activation_batch", "activation_length", None)
 
 
+@components.scoped(components.PROJECTIONS)  # also where a context shard's attention loop makes them
 def mla_keys(numerics, sources, weights, tag=False):
     """MLA's keys and values from the kv latent [b, l, r] and the RoPE key [b, l, 1, rope] (`sources`) and the
     up-projections wk_b, wv_b (`weights`): k = [latent wk_b, the RoPE key for every head], v = latent wv_b. `tag`:

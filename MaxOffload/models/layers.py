@@ -245,6 +245,7 @@ def _context_pieces(q, local, gathered, weights, shard, scale, kernel, expand, w
     return _context_pieces_fwd(q, local, gathered, weights, shard, scale, kernel, expand, ways, chunks)[0]
 
 
+@components.scoped(components.ATTENTION_SCORES)  # the backward's too: traced outside the forward's scopes
 def _context_pieces_fwd(q, local, gathered, weights, shard, scale, kernel, expand, ways, chunks):
     size, qs = q.shape[1] // chunks, _chunks(q, chunks)
     pieces = [kernels.flash_attention_piece(qs[i], *_keys(expand, (_chunks(s, chunks)[i] for s in local), weights),
@@ -268,6 +269,7 @@ def _context_pieces_fwd(q, local, gathered, weights, shard, scale, kernel, expan
     return _unchunk(outs), (q, local, gathered, weights, shard, outs, lse)
 
 
+@components.scoped(components.ATTENTION_SCORES)
 def _context_pieces_bwd(scale, kernel, expand, ways, chunks, residuals, dout):
     q, local, gathered, weights, shard, outs, lse = residuals
     size, qs, douts = q.shape[1] // chunks, _chunks(q, chunks), _chunks(dout, chunks)

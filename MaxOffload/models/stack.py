@@ -133,9 +133,14 @@ class DecoderModel(nnx.Module):
         return self.layout.constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
 
     def in_layout_order(self, tokens):
-        """tokens [..., length] in the layout's token order (embed_tokens)."""
+        """tokens [..., batch, length] in the layout's token order (embed_tokens), placed as the batch is: left to
+        XLA, the reordered tokens stay whole on every device and the embedding lookup with them (gathered, then
+        re-split: a full rematerialization of [batch, length, emb])."""
         order = self.layout.token_order(tokens.shape[-1])
-        return tokens if order is None else jnp.take(tokens, order, axis=-1)
+        if order is None:
+            return tokens
+        axes = (None,) * (tokens.ndim - 2) + ("activation_batch", "activation_length")
+        return self.layout.constrain(jnp.take(tokens, order, axis=-1), axes)
 
     def laid_out(self, *arrays):
         """[..., length] arrays of the sequence (the targets, the mask) in the layout's token order, the order of the
