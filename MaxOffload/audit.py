@@ -173,6 +173,9 @@ class Matmul:
     times: int = 1  # executions per step
     fp8_operands: bool = False  # a kernel (tokamax's grouped GEMM) whose operands are FP8
     weight_gradient: bool = False  # tokamax's ragged-contracting grouped GEMM: the routed experts' weight gradient
+    # in a computation a recomputation calls (a loop body XLA shares between the forward pass and a rematerialized
+    # forward carries the op names of one of them)
+    rematted: bool = False
 
     @property
     def fp8(self):
@@ -187,7 +190,7 @@ class Matmul:
 
     @property
     def phase(self):
-        if self.cloned or "rematted_computation" in self.op_name:
+        if self.cloned or self.rematted or "rematted_computation" in self.op_name:
             return "recompute"
         return "backward" if "transpose(" in self.op_name else "forward"
 
@@ -213,18 +216,22 @@ class Counter:
     def __init__(self, module, out=None):
         self.module, self.out = module, out if out is not None else Count()
 
-    def computation(self, name, times=1, stack=(), cloned=False):
-        """[Matmul] of computation `name` run `times` times (`cloned`: by XLA's rematerialization)."""
+    def computation(self, name, times=1, stack=(), cloned=False, rematted=False):
+        """[Matmul] of computation `name` run `times` times (`cloned`: by XLA's rematerialization; `rematted`: called
+        by a rematerialized forward pass's instruction)."""
         if name not in self.module.computations or name in stack:
             return []
         found = []
         for ins in self.module.computations[name]:
-            found += self.instruction(ins, name, times, stack + (name,), cloned)
+            found += self.instruction(ins, name, times, stack + (name,), cloned, rematted)
+        for m in found if rematted else ():
+            m.rematted = True
         return found
 
-    def instruction(self, ins, computation, times=1, stack=(), cloned=False):
+    def instruction(self, ins, computation, times=1, stack=(), cloned=False, rematted=False):
         """[Matmul] of one instruction of `computation` run `times` times."""
         out, shapes, here = self.out, self.module.shapes(computation), cloned or ".remat" in ins.name
+        rematted = rematted or "rematted_computation" in ins.op_name
         if ins.opcode == "dot":
             found = [_matmul(ins, shapes, "dot", ins.int_list("lhs_contracting_dims"), times, here)]
             if "ragged_dot" in ins.op_name:
@@ -252,14 +259,14 @@ class Counter:
             trips = self.module.trip_count(ins)
             if trips is None:
                 out.unknown_trip_counts.append(ins.op_name or ins.name)
-            return self.computation(ins.called("body"), times * (trips or 1), stack, here)
+            return self.computation(ins.called("body"), times * (trips or 1), stack, here, rematted)
         if ins.opcode == "conditional":
-            return max((self.computation(b, times, stack, here) for b in ins.branches()),
+            return max((self.computation(b, times, stack, here, rematted) for b in ins.branches()),
                        key=lambda ms: sum(m.flops for m in ms), default=[])
         found = []
         for key in ("calls", "to_apply") if ins.opcode == "call" else ("calls",):
             if ins.called(key):
-                found += self.computation(ins.called(key), times, stack, here)
+                found += self.computation(ins.called(key), times, stack, here, rematted)
         return found
 
 
