@@ -19,6 +19,10 @@ def get_config(size="8b"):
     # e.g. 405b_128k: 131,072 tokens a sequence, 16,384 of them on each GPU (docs/parallelism.md)
     long = long_context_variant(get_config, size, tokens_per_gpu=16384)
     if long is not None:
+        if long.train.seq_len == 131072:
+            # XLA's own rematerialization back on: without it the step needs 167.0 GiB of 165.9 usable; with it
+            # 135.0 GiB, 1.43x the model FLOPs (benchmarks/results/context_2026-12-04)
+            long.xla.hlo_rematerialization = True
         return long
     if size.endswith("_fp8"):  # e.g. 405b_fp8: the same recipe with per-tensor FP8 GEMMs (docs/fp8.md)
         cfg = get_config(size[:-len("_fp8")])
