@@ -210,6 +210,11 @@ def _earlier_block(t, shard, chunks):
     return second, t - second * shard, True
 
 
+def _earlier_blocks(ways, chunks):
+    """The length of a shard's loop over earlier key blocks (_earlier_block)."""
+    return ways - 1 if chunks == 1 else 2 * ways - 1
+
+
 def _weighted(out, lse, total):
     """A piece's output [b, l, heads, dv] weighted by its share exp(lse - total) of the whole softmax."""
     return out * jnp.moveaxis(jnp.exp(lse - total), -1, -2)[..., None]
@@ -263,8 +268,7 @@ def _context_pieces_fwd(q, local, gathered, weights, shard, scale, kernel, expan
         new = (_weighted(acc_out, acc_lse, total) + _weighted(out.astype(jnp.float32), lse, total), total)
         return tuple(jax.lax.dynamic_update_index_in_dim(a, n, chunk, 0) for a, n in zip(carry, new))
 
-    trip = (ways - 1) if chunks == 1 else (2 * ways - 1)
-    outs, lse = jax.lax.fori_loop(0, trip, earlier, carry)
+    outs, lse = jax.lax.fori_loop(0, _earlier_blocks(ways, chunks), earlier, carry)
     outs = outs.astype(q.dtype)
     return _unchunk(outs), (q, local, gathered, weights, shard, outs, lse)
 
@@ -304,9 +308,8 @@ def _context_pieces_bwd(scale, kernel, expand, ways, chunks, residuals, dout):
                           for g, d in zip(dgathered, d_sources))
         return dq, dgathered, add(dweights, d_weights)
 
-    trip = (ways - 1) if chunks == 1 else (2 * ways - 1)
-    dq, dgathered, dweights = jax.lax.fori_loop(0, trip, earlier, (dq, tuple(jnp.zeros_like(g) for g in gathered),
-                                                                   dweights))
+    dq, dgathered, dweights = jax.lax.fori_loop(0, _earlier_blocks(ways, chunks), earlier,
+                                                (dq, tuple(jnp.zeros_like(g) for g in gathered), dweights))
     dweights = tuple(d.astype(w.dtype) for d, w in zip(dweights, weights))
     return _unchunk(dq).astype(q.dtype), dlocal, dgathered, dweights, None
 
