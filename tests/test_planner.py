@@ -335,7 +335,8 @@ def test_under_a_context_axis_the_plan_counts_a_shards_tokens_and_inspect_finds_
     from MaxOffload.offload.inspect import activation_groups
 
     common = [*TINY, "remat.policy=auto", "model.attention=flash", f"run.output_dir={tmp_path}"]
-    whole = planner.decide(load([*common, "mesh.ici.fsdp=2"]), "gb200", "1x1x2", confirm=False, log=quiet)
+    whole = planner.decide(load([*common, "mesh.ici.fsdp=2", "train.per_device_batch_size=2"]), "gb200", "1x1x2",
+                           confirm=False, log=quiet)
     cfg = load([*common, "mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true",
                 "train.per_device_batch_size=0.5"])
     split = planner.decide(cfg, "gb200", "1x2x4", confirm=False, log=quiet)
