@@ -55,7 +55,6 @@ def collective_bytes(text, ways):
 def strategy_step(strategy, shape, mesh):
     """(the value and the gradients of q and the gathered inputs of sum(attention . w), the input shapes) of a
     sequence split over mesh axis 'context', load-balanced (kv_gather, latent_gather)."""
-    import functools
 
     import jax
     import jax.numpy as jnp
@@ -75,9 +74,8 @@ def strategy_step(strategy, shape, mesh):
         weights = [(rank, heads, qk - rope), (rank, heads, dv)]
 
         def attend(q, latent, k_rope, wk_b, wv_b):
-            source = layers.KeySource((latent, k_rope), (deepseek.LATENT_AXES, deepseek.LATENT_AXES + (None,)),
-                                      functools.partial(deepseek.mla_keys, matmul.Numerics()), (wk_b, wv_b),
-                                      (("kv_lora", "heads", "head_dim"),) * 2)
+            source = deepseek.latent_key_source(matmul.Numerics(), latent, k_rope, (wk_b, wv_b),
+                                                (("kv_lora", "heads", "head_dim"),) * 2)
             return layers.context_flash_attention(q, source, scale, kernel, layout)
     else:
         inputs, weights = [(heads, qk), (kv_heads, qk), (kv_heads, dv)], []

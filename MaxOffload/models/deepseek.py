@@ -194,7 +194,7 @@ class DeepSeekConfig(ModelConfig):
         (embed_tokens, shared_head.head), which this model shares with the main model."""
         return self.mtp_depth * (1 if self.tie_embeddings else 2) * self.vocab_size * self.emb_dim
 
-    def compiled_work_multiples(self, layout=NONE):
+    def compiled_work_multiples(self, layout=None):
         """Capacity mode computes every expert's `capacity` rows, filled or not: ~capacity_factor x the
         routed experts' model FLOPs (which count each token's top-k choices once); a dropless buffer's rows are
         the kernel's shapes, which the audit counts: ~moe_buffer_factor x. Gathering MLA's latent over C context
@@ -270,6 +270,13 @@ def mla_keys(numerics, sources, weights, tag=False):
     return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1), v
 
 
+def latent_key_source(numerics, kv_latent, k_rope, weights, weight_axes):
+    """The KeySource (models/layers.py) of a context shard gathering MLA's latent and RoPE key: keys and values made
+    from them by mla_keys with the up-projections `weights` (wk_b, wv_b; their logical `weight_axes`)."""
+    return KeySource((kv_latent, k_rope), (LATENT_AXES, LATENT_AXES + (None,)), functools.partial(mla_keys, numerics),
+                     tuple(weights), tuple(weight_axes))
+
+
 class MLA(nnx.Module):
     """Queries from a normalised q latent; keys and values from a normalised kv latent shared by all heads,
     plus a RoPE key part (qk_rope_head_dim) also shared by all heads (decoupled RoPE)."""
@@ -314,9 +321,8 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
         if self.layout.gathers_context and self.context_gather == "latent":
             weights = (self.wk_b, self.wv_b)
-            source = KeySource((kv_latent, k_rope), (LATENT_AXES, LATENT_AXES + (None,)),
-                               functools.partial(mla_keys, self.numerics), tuple(w[...] for w in weights),
-                               tuple(tuple(w.out_sharding) for w in weights))
+            source = latent_key_source(self.numerics, kv_latent, k_rope, (w[...] for w in weights),
+                                       (tuple(w.out_sharding) for w in weights))
             k = v = None
         else:
             k, v = mla_keys(self.numerics, (kv_latent, k_rope),

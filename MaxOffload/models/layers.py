@@ -220,6 +220,11 @@ def _weighted(out, lse, total):
     return out * jnp.moveaxis(jnp.exp(lse - total), -1, -2)[..., None]
 
 
+def _own(local, chunks):
+    """A shard's key sources [b, chunks x c, ...] -> per chunk, its sources [b, c, ...]."""
+    return list(zip(*(jnp.split(s, chunks, axis=1) for s in local)))
+
+
 def _chunks(a, chunks):
     """[b, chunks x c, ...] -> [chunks, b, c, ...]."""
     return jnp.stack(jnp.split(a, chunks, axis=1))
@@ -253,8 +258,8 @@ def _context_pieces(q, local, gathered, weights, shard, scale, kernel, expand, w
 @components.scoped(components.ATTENTION_SCORES)  # the backward's too: traced outside the forward's scopes
 def _context_pieces_fwd(q, local, gathered, weights, shard, scale, kernel, expand, ways, chunks):
     size, qs = q.shape[1] // chunks, _chunks(q, chunks)
-    pieces = [kernels.flash_attention_piece(qs[i], *_keys(expand, (_chunks(s, chunks)[i] for s in local), weights),
-                                            scale, kernel, True) for i in range(chunks)]
+    pieces = [kernels.flash_attention_piece(qs[i], *_keys(expand, own, weights), scale, kernel, True)
+              for i, own in enumerate(_own(local, chunks))]
     carry = (jnp.stack([o.astype(jnp.float32) for o, _ in pieces]), jnp.stack([lse for _, lse in pieces]))
 
     def earlier(t, carry):
@@ -290,7 +295,7 @@ def _context_pieces_bwd(scale, kernel, expand, ways, chunks, residuals, dout):
             dq, dk, dv = (jnp.where(visible, a, 0) for a in (dq, dk, dv))
         return (dq, *expand_vjp((dk, dv)))
 
-    own = [piece(qs[i], i, (_chunks(s, chunks)[i] for s in local), True) for i in range(chunks)]
+    own = [piece(qs[i], i, sources, True) for i, sources in enumerate(_own(local, chunks))]
     dq = jnp.stack([d.astype(jnp.float32) for d, _, _ in own])
     dlocal = tuple(jnp.concatenate(parts, axis=1) for parts in zip(*(d for _, d, _ in own)))
     dweights = f32(weights)
