@@ -10,10 +10,14 @@ import pytest
 from conftest import ROOT, process_env, run_cli
 from test_checkpoint import TINY, losses, sigterm_and_resume
 
+# Each case's batches are a step of synthetic data as the trainer reads it (tests/helpers/grad_accum_check.py): K
+# micro-batches of the source and one batch of K x the rows, so a source that drew other tokens per batch shape
+# fails here too (tests/test_training.py checks the rows themselves, for synthetic and text data).
 CASES = {
-    "llama": ["configs/llama3_1.py:tiny"],
+    "llama": ["configs/llama3_1.py:tiny", "data.source=synthetic"],
     # the balance loss, the router-bias update from the whole step's loads, multi-token prediction
-    "deepseek": ["configs/deepseek_v3.py:tiny", "model.mtp_depth=1", "model.seq_balance_loss_weight=0.01"],
+    "deepseek": ["configs/deepseek_v3.py:tiny", "data.source=synthetic", "model.mtp_depth=1",
+                 "model.seq_balance_loss_weight=0.01"],
 }
 
 

@@ -377,6 +377,33 @@ def test_synthetic_data_is_a_function_of_seed_and_step():
     assert batch["inputs"].max() < 100
 
 
+@pytest.mark.parametrize("source", ["synthetic", "text"])
+def test_a_steps_rows_do_not_depend_on_micro_batches_or_processes(source):
+    """Row r of step s is the same sequence whatever cuts the step: k micro-batches of b rows (the trainer reads
+    micro-batch i of step s as train_batch(s * k + i)) are one batch of k x b, and P processes' rows of each are
+    its P slices. Fails if a source draws a batch per batch shape (synthetic data did: gradient accumulation then
+    trained on other tokens than the whole batch)."""
+    def make(global_batch, process_index=0, process_count=1):
+        common = dict(global_batch=global_batch, seq_len=8, seed=3, process_index=process_index,
+                      process_count=process_count)
+        if source == "synthetic":
+            return synthetic.SyntheticData(vocab_size=100, **common)
+        return text.TextData(["some words of text, " * 40 + str(i) for i in range(6)], eval_fraction=0.2, **common)
+
+    k, b = 4, 2
+    whole = make(k * b)
+    for step in (0, 5):
+        one = whole.train_batch(step)
+        for processes in (1, 2):
+            parts = [make(b, p, processes).train_batch(step * k + i) for i in range(k) for p in range(processes)]
+            for key in one:
+                np.testing.assert_array_equal(np.concatenate([part[key] for part in parts]), one[key])
+    halves = [make(k * b, p, 2).eval_batches(2) for p in range(2)]
+    for full, p0, p1 in zip(whole.eval_batches(2), *halves):
+        for key in full:
+            np.testing.assert_array_equal(np.concatenate([p0[key], p1[key]]), full[key])
+
+
 @pytest.mark.parametrize("sample", ["hello, world", "héllo wörld — naïve café", "日本語のテキスト",
                                     "emoji 🚀🎉 and\nnewlines\ttabs", ""])
 def test_byte_tokenizer_round_trip(sample):

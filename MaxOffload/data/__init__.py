@@ -29,3 +29,10 @@ def build(cfg, process_index=0, process_count=1):
         return tokenized.TokenizedData(cfg.data.path, **kwargs)
     return text.TextData(text.load_documents(list(cfg.data.text_files)), eval_fraction=cfg.data.eval_fraction,
                          **kwargs)
+
+
+def micro_batches(data, step, k):
+    """The k micro-batches of training step `step` (0-based): micro-batch i is the dataset's batch step x k + i.
+    Every source numbers its sequences by their place in the run, so these are the rows of one batch of k x the
+    micro-batch's rows."""
+    return [data.train_batch(step * k + i) for i in range(k)]

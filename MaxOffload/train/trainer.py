@@ -318,8 +318,7 @@ class Training:
     def step_batch(self, index):
         """Step index+1's batch on the devices: its micro-batches, a pure function of (seed, step) as one batch
         is."""
-        k = self.setup.micro_batches
-        return self.setup.put_step_batch([self.data.train_batch(index * k + i) for i in range(k)])
+        return self.setup.put_step_batch(data_lib.micro_batches(self.data, index, self.setup.micro_batches))
 
     def compile(self, start):
         """(the compiled train step, evaluate(state, step) -> mean eval loss, logged)."""

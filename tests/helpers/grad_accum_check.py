@@ -1,7 +1,9 @@
 """k micro-batches of b rows against one batch of k x b rows, in ONE process (run it with 8 simulated CPU devices
 via XLA_FLAGS for the sharded case): prints JSON {case: {"loss": rel diff, "grads": rel diff, "state": max abs
 diff of the model state after the step, "gathered": where the accumulating step all-gathers its weights
-(MaxOffload.aot.weight_gathers of its compiled program)}}. argv[1]: JSON {case: [config overrides]}."""
+(MaxOffload.aot.weight_gathers of its compiled program)}}. argv[1]: JSON {case: [config overrides]}. The batches
+are one step of the configured data source (data.micro_batches, as the trainer reads them): give the cases
+data.source=synthetic or text."""
 import json
 import sys
 
@@ -11,14 +13,13 @@ prefer_cpu_without_gpu()  # before JAX starts: the CUDA plugin is installed, a G
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from MaxOffload import from_config, hlo  # noqa: E402
+from MaxOffload import data, from_config, hlo  # noqa: E402
 from MaxOffload.aot import weight_gathers  # noqa: E402
 from MaxOffload.config import load  # noqa: E402
 
-K, ROWS, SEQ = 4, 2, 16
+K, ROWS, SEQ, STEP = 4, 2, 16, 3
 
 
 def relative(a, b):
@@ -29,16 +30,15 @@ def relative(a, b):
 def compare(overrides):
     devices = jax.device_count()
     common = [*overrides, "model.compute_dtype=float32", f"train.seq_len={SEQ}"]
-    micro = from_config.train_setup(load([*common, f"train.per_device_batch_size={ROWS}",
-                                          f"train.grad_accum_steps={K}"]))
-    whole = from_config.train_setup(load([*common, f"train.per_device_batch_size={K * ROWS}"]))
+    micro_cfg = load([*common, f"train.per_device_batch_size={ROWS}", f"train.grad_accum_steps={K}"])
+    whole_cfg = load([*common, f"train.per_device_batch_size={K * ROWS}"])
+    micro, whole = from_config.train_setup(micro_cfg), from_config.train_setup(whole_cfg)
     state = whole.init_state()
-    rng = np.random.default_rng(0)
-    rows = K * ROWS * devices
-    tokens = rng.integers(0, whole.model_config.vocab_size, (rows, SEQ + 1)).astype(np.int32)
-    big = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((rows, SEQ), np.float32)}
-    parts = [{k: v[i * rows // K:(i + 1) * rows // K] for k, v in big.items()} for i in range(K)]
-    one = jax.jit(whole.gradients)(state["params"], state["model_state"], whole.put_step_batch([big]))
+    # Step STEP's batch as training reads it from the configured source (the case's data.source), once as one
+    # batch of K x ROWS rows a device and once as K micro-batches of ROWS: the source must give the same rows.
+    big = data.micro_batches(data.build(whole_cfg), STEP, 1)
+    parts = data.micro_batches(data.build(micro_cfg), STEP, K)
+    one = jax.jit(whole.gradients)(state["params"], state["model_state"], whole.put_step_batch(big))
     args = (state["params"], state["model_state"], micro.put_step_batch(parts))
     compiled = jax.jit(micro.gradients).lower(*args).compile()
     many = compiled(*args)
