@@ -13,13 +13,14 @@ between releases (collective pipelining moved from --xla_gpu_enable_pipelined_al
 newest first, and the first one the installed jaxlib accepts is used. Acceptance is tested in a
 subprocess (the only exact test) and cached per jaxlib version.
 """
-import json
 import os
 import re
 import subprocess
 import sys
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.jsonfile import every, read_json
+from MaxOffload.reports import write_json
 
 # feature -> spellings, newest first
 FEATURES = {
@@ -52,18 +53,18 @@ def _cache_path():
 
 
 def _load_cache():
+    """{flag: accepted}; a cache is derived data: a damaged one counts as empty (its flags are probed again and the
+    cache written whole)."""
     try:
-        with open(_cache_path()) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return read_json(_cache_path(), "", every(dict, bool), missing_ok=True) or {}
+    except ConfigError:
         return {}
 
 
 def _save_cache(cache):
     try:
         os.makedirs(os.path.dirname(_cache_path()), exist_ok=True)
-        with open(_cache_path(), "w") as f:
-            json.dump(cache, f, indent=1, sort_keys=True)
+        write_json(_cache_path(), cache)  # whole or not at all
     except OSError:
         pass  # a cache only
 

@@ -22,7 +22,7 @@ from MaxOffload.cli import run
 from MaxOffload.config.loader import load
 from MaxOffload.convert.__main__ import main
 from MaxOffload.convert.exporter import to_hf
-from MaxOffload.convert.hf_files import CONFIG, HFCheckpoint, ShardWriter
+from MaxOffload.convert.hf_files import CONFIG, HF_SOURCE, HFCheckpoint, ShardWriter
 from MaxOffload.convert.importer import from_hf
 from MaxOffload.train import rundir
 from MaxOffload.train.checkpoint import Checkpointer, load_params
@@ -69,6 +69,15 @@ def export(case, tmp_path_factory):
         to_hf(run_dir, hf_dir, "float32", 60_000, say=lambda _: None)
         _EXPORTS[case] = spec, overrides, run_dir, setup, weights, hf_dir
     return _EXPORTS[case]
+
+
+def imported(tmp_path_factory):
+    """The Llama export imported again (config.json, hf_config.json, checkpoints/0), made once per module."""
+    if "imported" not in _EXPORTS:
+        spec, overrides, _, _, _, hf_dir = export(LLAMA, tmp_path_factory)
+        _EXPORTS["imported"] = str(tmp_path_factory.mktemp("imported") / "weights")
+        from_hf(hf_dir, spec, list(overrides), _EXPORTS["imported"], say=lambda _: None)
+    return _EXPORTS["imported"]
 
 
 @pytest.fixture(scope="module", params=[DEEPSEEK, LLAMA], ids=["deepseek_mtp", "llama"])
@@ -276,7 +285,12 @@ def test_hostile_checkpoints_are_one_line_and_never_converted(tmp_path_factory, 
                       lambda i: {**i, "weight_map": {k: 3 for k in i["weight_map"]}}), "places", "in 3, not a safetensors")
     refused(edit_json(hf_dir, str(tmp_path / "escape"), "model.safetensors.index.json",
                       lambda i: {**i, "weight_map": {k: "../" + v for k, v in i["weight_map"].items()}}), "not a safetensors file beside it")
-    refused(edit_json(hf_dir, str(tmp_path / "config_list"), CONFIG, lambda c: [c]), "is a JSON list, not an object")
+    refused(edit_json(hf_dir, str(tmp_path / "config_list"), CONFIG, lambda c: [c]),
+            "config.json: the file should be an object, got an array; download or copy it again")
+    cut = shutil.copytree(hf_dir, str(tmp_path / "config_cut"))
+    with open(os.path.join(cut, CONFIG), "r+") as f:
+        f.truncate(40)
+    refused(cut, f"{cut}/config.json: not valid JSON (")
     refused(edit_json(hf_dir, str(tmp_path / "heads"), CONFIG, lambda c: {**c, "num_attention_heads": 0}),
             "config.json's num_attention_heads is 0; it must be an integer >= 1")
     refused(edit_json(hf_dir, str(tmp_path / "eps"), CONFIG, lambda c: {**c, "rms_norm_eps": "1e-5"}),
@@ -402,6 +416,50 @@ def test_the_command_documents_both_directions_and_bad_input_is_one_line_without
     assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path} has no config.json; give the " \
         "directory save_pretrained (or a download) wrote", result.stderr
     assert run_cli(["-m", "MaxOffload.convert", "sideways"]).returncode == 2
+
+
+def _contents(directory):
+    return {os.path.relpath(os.path.join(root, n), directory): open(os.path.join(root, n), "rb").read()
+            for root, _, names in os.walk(directory) for n in names}
+
+
+def _without_model(text):
+    return json.dumps({k: v for k, v in json.loads(text).items() if k != "model"})
+
+
+def _num_layers_a_string(text):
+    config = json.loads(text)
+    config["model"]["num_layers"] = str(config["model"]["num_layers"])
+    return json.dumps(config)
+
+
+DAMAGED = {"hf_config_cut_short": (HF_SOURCE, lambda text: text[:len(text) // 2], "not valid JSON ("),
+           "hf_config_a_list": (HF_SOURCE, lambda text: "[]", "the file should be an object, got an array"),
+           "config_cut_short": (CONFIG, lambda text: text[:-2], "not valid JSON ("),
+           "config_without_model": (CONFIG, _without_model, "missing key 'model'"),
+           "config_num_layers_a_string": (CONFIG, _num_layers_a_string,
+                                          "'model.num_layers' should be an integer, got a string (")}
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_to_hf_from_a_run_with_a_damaged_json_file_is_one_line_and_writes_nothing(tmp_path_factory, tmp_path, case):
+    """The run's config.json (its model) or from-hf's hf_config.json (what the export carries over) cut short, of
+    another type or missing a key: one line naming the file and what is wrong, exit 2, nothing written."""
+    name, damage, words = DAMAGED[case]
+    run_dir = shutil.copytree(imported(tmp_path_factory), str(tmp_path / "run"))
+    path = os.path.join(run_dir, name)
+    with open(path) as f:
+        text = damage(f.read())
+    with open(path, "w") as f:
+        f.write(text)
+    before = _contents(run_dir)
+    result = run_cli(["-m", "MaxOffload.convert", "to-hf", run_dir, "--out", str(tmp_path / "hf")])
+    err = result.stderr.strip()
+    assert result.returncode == 2 and "Traceback" not in result.stdout + err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {path}: {words}"), err
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no output, no staging directory
+    assert _contents(run_dir) == before
 
 
 def test_a_config_json_of_older_transformers_reads_alike(exported, tmp_path):

@@ -5,6 +5,7 @@ model comes from the run's config.json. Each layer's arrays are read (convert/or
 into the Hugging Face tensors by the family's Rules in reverse, cast (bfloat16 by default) and appended to the
 safetensors shards: one layer in memory at a time.
 """
+import dataclasses
 import json
 import os
 import time
@@ -17,6 +18,7 @@ from MaxOffload.convert import staging
 from MaxOffload.convert.hf_files import CONFIG, HF_SOURCE, ShardWriter
 from MaxOffload.convert.orbax_files import WeightsReader, nested
 from MaxOffload.errors import ConfigError
+from MaxOffload.jsonfile import Unreadable, problem, read_json
 from MaxOffload.reports import gib, peak_rss
 from MaxOffload.train import rundir
 
@@ -39,28 +41,30 @@ def locate(source):
 def model_config(run_dir):
     """The model configuration of the run whose config.json is in run_dir."""
     path = os.path.join(run_dir, "config.json")
-    try:
-        with open(path) as f:
-            model = json.load(f)["model"]
-        family = models.FAMILIES[model["family"]]
-        return family, family.config_class.from_config(model)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: cannot read the run's model configuration ({type(e).__name__}: {e}); to-hf "
-                          "needs the config.json train.py or from-hf wrote beside checkpoints/") from None
+    fix = "to-hf reads the model from the config.json train.py or from-hf wrote beside checkpoints/: put a copy back"
+    names = (lambda name: isinstance(name, str) and name in models.FAMILIES), f"one of {', '.join(models.FAMILIES)}"
+    model = read_json(path, fix, {"model": {"family": names}})["model"]
+    family = models.FAMILIES[model["family"]]
+    fields = {f.name: int | float if f.type is float else f.type for f in dataclasses.fields(family.config_class)}
+    wrong = problem(model, fields, "model")
+    if wrong:
+        raise Unreadable(path, wrong, fix)
+    return family, family.config_class.from_config(model)
 
 
 def source_config(run_dir, seen=()):
     """The config.json of the Hugging Face checkpoint the run's weights came from ({} if none): from-hf keeps it
     as hf_config.json; a run started with checkpoint.load_params_from leads to the run or weights it loaded."""
-    path = os.path.join(run_dir, HF_SOURCE)
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
+    source = read_json(os.path.join(run_dir, HF_SOURCE), f"from-hf copied it from the Hugging Face checkpoint's "
+                       f"{CONFIG}: copy that file over it (the export takes token ids and the context length from it)",
+                       dict, missing_ok=True)
+    if source is not None:
+        return source
     try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            loaded_from = json.load(f)["checkpoint"]["load_params_from"]
+        saved = read_json(os.path.join(run_dir, "config.json"), "", {"checkpoint": {"load_params_from": str | None}})
+        loaded_from = saved["checkpoint"].get("load_params_from")
         origin = locate(loaded_from)[0] if loaded_from else None
-    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+    except ConfigError:  # its config.json unreadable, or the run it loaded gone: nothing to carry over
         return {}
     return {} if origin is None or origin in seen else source_config(origin, (*seen, run_dir))
 
@@ -83,6 +87,7 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     run_dir, step_dir = locate(source)
     family, c = model_config(run_dir)
+    source = source_config(run_dir)  # before a byte is written: a damaged one is found first
     with staging.staged(out, [run_dir, step_dir], say) as partial:  # renamed to `out` when complete
         # the saved structure must be this model's, and its files whole, before a byte is converted
         try:
@@ -107,7 +112,7 @@ def to_hf(source, out, dtype="bfloat16", max_shard_bytes=5 * 10**9, say=print):
         except Exception as e:
             raise removed_by_its_run(step_dir) or e
         shards = writer.close()
-        config = exported_config(family.hf.config_json(c), source_config(run_dir), dtype)
+        config = exported_config(family.hf.config_json(c), source, dtype)
         with open(os.path.join(partial, CONFIG), "w") as f:
             json.dump(config, f, indent=2)
     say(f"  wrote {len(writer.weight_map)} tensors ({gib(writer.total)}) in {shards} shard(s) in "

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.jsonfile import is_count, read_json
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
@@ -25,14 +26,6 @@ FLOATS = {np.dtype(DTYPES[k]) for k in ("F64", "F32", "F16", "BF16", "F8_E4M3", 
 INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
 HF_SOURCE = "hf_config.json"  # from-hf keeps the source's config.json beside the weights, for the export
 SCALE_SUFFIX = "_scale_inv"
-
-
-def _json(path, what):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot read {what} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
 
 
 def read_header(path):
@@ -53,7 +46,7 @@ def read_header(path):
             raise corrupt(f"header length {n} beyond the file's {size} bytes")
         try:
             header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested beyond the parser
             raise corrupt("its header is not JSON") from None
     if not isinstance(header, dict):
         raise corrupt(f"its header is a JSON {type(header).__name__}, not an object of tensors")
@@ -66,9 +59,9 @@ def read_header(path):
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise corrupt(f"tensor {name} has the unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+        if not isinstance(shape, list) or not all(is_count(d) for d in shape):
             raise corrupt(f"tensor {name}'s shape {shape!r} is not a list of sizes")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets):
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_count(o) for o in offsets):
             raise corrupt(f"tensor {name}'s data_offsets {offsets!r} are not two byte offsets")
         begin, end = offsets
         dtype, shape = np.dtype(DTYPES[dtype]), tuple(shape)
@@ -89,11 +82,6 @@ def read_header(path):
     return entries
 
 
-def _count(value):
-    """Whether a header value is a size or an offset: an integer >= 0 (JSON's true/false are not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 class HFCheckpoint:
     """A Hugging Face checkpoint directory: config.json and its safetensors (sharded with an index, or one file).
     Every shard's header is read up front (so a damaged shard is found before any conversion work)."""
@@ -104,16 +92,11 @@ class HFCheckpoint:
             raise ConfigError(f"{directory}: no such directory; give the directory of a Hugging Face checkpoint")
         if not os.path.isfile(os.path.join(directory, CONFIG)):
             raise ConfigError(f"{directory} has no {CONFIG}; give the directory save_pretrained (or a download) wrote")
-        self.config = _json(os.path.join(directory, CONFIG), "the model's config.json")
-        if not isinstance(self.config, dict):
-            raise ConfigError(f"{os.path.join(directory, CONFIG)} is a JSON {type(self.config).__name__}, not an "
-                              "object of fields; download or copy it again")
+        again = "download or copy it again"
+        self.config = read_json(os.path.join(directory, CONFIG), again, dict)
         index = os.path.join(directory, INDEX)
         if os.path.isfile(index):
-            weight_map = _json(index, "the shard index")
-            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-            if not isinstance(weight_map, dict):
-                raise ConfigError(f"{index} has no weight_map object; download or copy it again")
+            weight_map = read_json(index, again, {"weight_map": dict})["weight_map"]
             for tensor, file in weight_map.items():
                 if not isinstance(file, str) or not file.endswith(".safetensors") or os.path.basename(file) != file:
                     raise ConfigError(f"{index} places {tensor} in {file!r}, not a safetensors file beside it; "

@@ -20,6 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.jsonfile import read_json
 
 CHUNK_BYTES = 64 * 2**20
 METADATA = "_METADATA"
@@ -105,12 +106,9 @@ class WeightsReader:
 
     def __init__(self, step_dir):
         self.state_dir = os.path.join(step_dir, "state")
-        path = os.path.join(self.state_dir, METADATA)
-        try:
-            with open(path) as f:
-                metadata = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{step_dir} is not a readable checkpoint: {path} ({type(e).__name__})") from None
+        metadata = read_json(os.path.join(self.state_dir, METADATA), f"checkpoint {step_dir} is damaged or not "
+                             "an Orbax checkpoint: export another step, or a sound copy of this one",
+                             {"use_ocdbt": bool | None, "use_zarr3": bool | None})
         self.ocdbt, self.zarr3 = metadata.get("use_ocdbt", True), metadata.get("use_zarr3", False)
         self.arrays = {}
 

@@ -21,6 +21,7 @@ import signal
 import socket
 
 from MaxOffload.errors import ConfigError, Interrupted
+from MaxOffload.jsonfile import read_json
 
 MARKER = ".maxoffload-conversion.json"
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
@@ -63,11 +64,10 @@ def _leftovers(out, say):
         if not entry.startswith(name + ".partial-") or os.path.islink(path) or not os.path.isdir(path):
             continue
         try:
-            with open(os.path.join(path, MARKER)) as f:
-                marker = json.load(f)
-        except (OSError, ValueError):
-            continue  # not made by a conversion: not ours
-        if not isinstance(marker, dict) or marker.get("out") != os.path.realpath(out):
+            marker = read_json(os.path.join(path, MARKER), "", {"out": str})
+        except ConfigError:
+            continue  # no whole marker: not made by a conversion, so not ours to remove
+        if marker["out"] != os.path.realpath(out):
             continue
         if _alive(marker):
             raise ConfigError(f"another conversion to --out {out} is running (process {marker.get('pid')} on "

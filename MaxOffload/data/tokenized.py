@@ -19,12 +19,12 @@ Grain is not used: with a stateless (seed, step) -> batch function there is no i
 checkpoint, and a batch is a few memory-map slices, so worker processes would not pay for themselves.
 """
 import functools
-import json
 import os
 
 import numpy as np
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.jsonfile import is_a, read_json
 
 EVAL_SPLIT_SEED = 1234  # fixed, so the held-out set does not change with run.seed
 PAD = 0  # eval padding (masked out); id 0 exists in every vocabulary
@@ -34,11 +34,6 @@ DTYPES = ("uint16", "uint32")  # tokens.bin: uint16 for vocabularies up to 65,53
 # meta.json's fields the readers use, with their JSON types (train_documents, also an int, is optional)
 META_FIELDS = {"vocab_size": int, "dtype": str, "num_tokens": int, "train_tokens": int, "num_documents": int,
                "tokenizer": dict}
-
-
-def _is(value, kind):
-    """`value` is of the JSON type `kind` (a bool is no int)."""
-    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,20 +170,16 @@ def read_meta(path, key="data.path"):
     if not os.path.isfile(meta_path):
         raise ConfigError(f"{key}={path} has no {META}, so it is not a prepared directory (or its preparation did "
                             f"not finish); {fix}")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}={path}: {META} is unreadable ({type(e).__name__}: {e}); "
-                            "prepare the directory again") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
+    meta = read_json(meta_path, f"{key}={path} was not prepared whole, or was edited: prepare the directory again",
+                     dict)
+    if meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version")
         raise ConfigError(f"{key}={path}: {META} has format_version {version!r}, this version "
                             f"reads {FORMAT_VERSION}; prepare the directory again")
     fields = {**META_FIELDS, **({"train_documents": int} if "train_documents" in meta else {})}
     wrong = [f"{name} ({'missing' if name not in meta else f'{type(meta[name]).__name__} {meta[name]!r:.40}'})"
-             for name, kind in fields.items() if not _is(meta.get(name), kind)]
-    if not wrong and not _is(meta["tokenizer"].get("name"), str):
+             for name, kind in fields.items() if not is_a(meta.get(name), kind)]
+    if not wrong and not is_a(meta["tokenizer"].get("name"), str):
         wrong.append("tokenizer.name")
     again = "prepare the directory again (python -m MaxOffload.data.prepare)"
     if wrong:

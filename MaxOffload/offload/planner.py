@@ -62,12 +62,14 @@ import sys
 from MaxOffload import audit, hardware, hlo, timeline, xla
 from MaxOffload.cli import tool
 from MaxOffload.errors import PlanError
+from MaxOffload.jsonfile import Unreadable, every, read_json
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.offload.costs import (ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, Candidate, cost_model, cpu_machine, gib,
                                       machine, usage, with_recompute_hbm)
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 from MaxOffload.offload.search import HBM_MARGIN, Choice, plan_error, search
+from MaxOffload.reports import write_json
 
 PLANNER_VERSION = 4
 CONFIRM_ROUNDS = 3  # confirming compiles before PlanError
@@ -421,6 +423,11 @@ def cache_key(cfg, target, topology, device_count=None):
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+_CACHED = {"decisions": every(dict, every(dict, str), "an object of {name: decision} objects"),
+           "overrides": every(list, str, "an array of strings"),
+           "xla_preset": ((lambda p: isinstance(p, str) and p in xla.PRESETS), f"one of {', '.join(xla.PRESETS)}")}
+
+
 def plan_for(cfg, target=None, topology=None, confirm=True, use_cache=True, log=print):
     """The run's OffloadPlan: cfg's own (MaxOffload.from_config.static_plan), or for remat.policy=auto the planned
     one, cached per config. target/topology: plan for compile-only GPUs (the aot tool); None: for this
@@ -435,26 +442,25 @@ def plan_for(cfg, target=None, topology=None, confirm=True, use_cache=True, log=
     path = os.path.join(_cache_dir(), key + ".json")
     cached = None
     if use_cache:
+        # a cache is derived data: a damaged one (cut short, edited) is said in one line and planned again
         try:
-            with open(path) as f:
-                cached = json.load(f)
-            chosen, lines, preset = cached["decisions"], cached["overrides"], cached["xla_preset"]
-            log(f"remat.policy=auto: cached plan {path}")
-        except (OSError, ValueError, KeyError):
-            cached = None
-    if cached is None:
+            cached = read_json(path, "", _CACHED, missing_ok=True)
+        except Unreadable as e:
+            log(f"remat.policy=auto: {path}: {e.problem}; planning again (the plan replaces it)")
+    if cached is not None:
+        chosen, lines, preset = cached["decisions"], cached["overrides"], cached["xla_preset"]
+        log(f"remat.policy=auto: cached plan {path}")
+    else:
         result = decide(cfg, target, topology, confirm=confirm, log=log)
         log(format_plan(result))
         chosen, lines = group_decisions(result.decisions), override_lines(result)
         preset = result.xla_preset
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump({"decisions": chosen, "overrides": lines, "xla_preset": preset,
-                           "predicted_step_s": result.step_time(),
-                           "predicted_tflops_per_device": result.tflops_per_device(),
-                           "predicted_hbm_bytes": result.hbm_bytes(), "compiled_hbm_bytes": result.compiled_hbm},
-                          f, indent=1)
+            write_json(path, {"decisions": chosen, "overrides": lines, "xla_preset": preset,  # whole or not at all
+                              "predicted_step_s": result.step_time(),
+                              "predicted_tflops_per_device": result.tflops_per_device(),
+                              "predicted_hbm_bytes": result.hbm_bytes(), "compiled_hbm_bytes": result.compiled_hbm})
         except OSError:
             pass  # a cache only
     log("remat.policy=auto resolved to: " + " ".join(lines))

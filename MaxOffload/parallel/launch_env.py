@@ -16,13 +16,13 @@ Prints `export NAME=VALUE` lines (shell-quoted) that must be set before JAX star
   MAXOFFLOAD_GPUS_PER_NODE            launch.gpus_per_node: GPUs (= tasks) per node.
 A config mistake prints "error: ..." on stderr and exits 2, like train.py.
 """
-import json
 import math
 import os
 import shlex
 import sys
 
 from MaxOffload.cli import tool
+from MaxOffload.jsonfile import is_a, read_json
 
 
 def host_memory_limit_gb(cfg):
@@ -32,12 +32,13 @@ def host_memory_limit_gb(cfg):
     if cfg.launch.host_memory_limit_gb > 0:
         return cfg.launch.host_memory_limit_gb
     cap = int(hardware.ACCELERATORS[cfg.aot.target].host_ram_per_gpu * 0.9 / 1e9)
-    report = os.path.join(cfg.run.output_dir, "aot_report.json")
-    if not os.path.exists(report):  # no plan yet: a generous share of the host
+    size = (lambda n: is_a(n, int | float) and 0 <= n < math.inf), "a number of bytes >= 0"
+    report = read_json(os.path.join(cfg.run.output_dir, "aot_report.json"), "the aot tool writes it: run `python -m "
+                       "MaxOffload.aot` with this config again, or set launch.host_memory_limit_gb",
+                       {"host_bytes_per_device": size}, missing_ok=True)
+    if report is None:  # no plan yet: a generous share of the host
         return min(cap, 180)
-    with open(report) as f:
-        need = json.load(f)["host_bytes_per_device"]
-    return min(cap, math.ceil(need * 1.25 / 1e9) + 4)
+    return min(cap, math.ceil(report["host_bytes_per_device"] * 1.25 / 1e9) + 4)
 
 
 def exports(cfg, environ=None):

@@ -16,6 +16,8 @@ import re
 import jax
 import numpy as np
 
+from MaxOffload.jsonfile import COUNT, Unreadable, every, optional, read_json
+
 _PREFIX, _SUFFIX = "integrity.process_", ".json"
 _OWNER = re.compile(r"(?:^|/)(?:ocdbt\.process_|array_metadatas/process_)(\d+)(?:/|$)")
 
@@ -95,13 +97,22 @@ def _step_of(step_dir):
     return int(name) if name.isdigit() else None
 
 
+def _pairs(what):
+    """A manifest's {key: [x, y]} field: each file's size and digest, each leaf's shape and dtype."""
+    pair = (lambda value: isinstance(value, list) and len(value) == 2), "a pair"
+    return every(dict, pair, f"an object of [{what}] pairs")
+
+
+_MANIFEST = {"process": COUNT, "files": _pairs("size, SHA-256"), "structure": optional(_pairs("shape, dtype")),
+             "processes": optional(COUNT), "step": int | None}
+
+
 def _manifests(step_dir):
     found = {}
     for name in os.listdir(step_dir):
         if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
-            with open(os.path.join(step_dir, name)) as f:
-                record = json.load(f)
-            found[int(record["process"])] = record
+            record = read_json(os.path.join(step_dir, name), "", _MANIFEST)
+            found[record["process"]] = record
     return found
 
 
@@ -134,18 +145,20 @@ def _check_local(step_dir, configured, process_index, process_count, partial):
     3 mismatch, 4 renamed."""
     try:
         manifests = _manifests(step_dir)
-    except (OSError, ValueError, KeyError) as e:
-        return 2, f"its integrity manifest is unreadable ({type(e).__name__})", None
+    except Unreadable as e:
+        return 2, f"its integrity manifest {os.path.basename(e.path)} is unreadable: {e.problem}", None
+    except OSError as e:  # the step directory itself (removed meanwhile)
+        return 2, f"it cannot be listed ({e.strerror})", None
     if 0 not in manifests:
         return 1, "it has no integrity manifest (saved by an older MaxOffload, or the run ended before writing it)", None
     step = manifests[0].get("step")  # recorded since 2026-12-03
     if step is not None and _step_of(step_dir) is not None and step != _step_of(step_dir):
         return 4, step, None
-    saved = manifests[0].get("structure", {})
+    saved = manifests[0].get("structure") or {}
     what = _compare(saved, configured, partial)
     if what:
         return 3, what, _compare(_params(saved), _params(configured)) is None
-    expected = int(manifests[0].get("processes", 1))
+    expected = manifests[0].get("processes") or 1
     absent = sorted(set(range(expected)) - set(manifests))
     if absent:
         return 1, f"the integrity manifest of process {absent[0]} is missing", None

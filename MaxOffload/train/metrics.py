@@ -8,6 +8,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.jsonfile import COUNT, problem
 
 
 def _duration(seconds):
@@ -17,24 +18,25 @@ def _duration(seconds):
 
 
 def _lines_up_to(path, step, say=print):
-    """The lines of metrics.jsonl for steps <= `step`. A line that is not a whole JSON object (a crash or a full
-    disk cut the last one short) is dropped, with one line saying so."""
+    """The lines of metrics.jsonl for steps <= `step`. A line that is not a JSON object with its step (a crash or a
+    full disk cut the last one short; an edit) is dropped, with one line saying so."""
     if not os.path.exists(path):
         return []
     kept, torn = [], 0
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
+                row = None
+            if problem(row, {"step": COUNT}):
                 torn += 1
-                continue
-            if isinstance(row, dict) and row.get("step", 0) <= step:
+            elif row["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
     if torn:
-        say(f"{path}: dropped {torn} unreadable line(s) (cut short by an earlier crash or a full disk)")
+        say(f"{path}: dropped {torn} unreadable line(s) (cut short by an earlier crash or a full disk, or edited)")
     return kept
 
 

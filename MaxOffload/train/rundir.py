@@ -21,6 +21,7 @@ import socket
 import time
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.jsonfile import Unreadable, read_json
 from MaxOffload.reports import unwritable_dir, write_json
 
 LOCK, CONFIG, DRY_RUN = "run.lock", "config.json", "dry_run.json"
@@ -39,12 +40,12 @@ class Lock:
 
     def __init__(self, output_dir):
         self.path = os.path.join(output_dir, LOCK)
-        self.file = open(self.path, "a+")
+        self.file = open(self.path, "a+", errors="replace")
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
+            holder = self.file.readline(200).strip() or "another process"  # the line it wrote (see below)
             self.file.close()
             raise ConfigError(f"run.output_dir={output_dir} is in use by a running job ({holder}); wait for it to "
                               "end, or give this run its own run.output_dir") from None
@@ -113,11 +114,11 @@ def write_config(output_dir, config, say=print):
     """OUTPUT/config.json := `config` (a dict); first says which keys differ from the one already there."""
     path = os.path.join(output_dir, CONFIG)
     try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
+        saved = read_json(path, "", dict, missing_ok=True)
+    except Unreadable as e:  # the config this run trains with replaces it: what differs cannot be said
+        say(f"{path}: {e.problem}; this run writes its config over it")
         saved = None
-    if isinstance(saved, dict):
+    if saved is not None:
         diff = changes(saved, json.loads(json.dumps(config)))
         if diff:
             more = f"; ... and {len(diff) - SHOWN_CHANGES} more" if len(diff) > SHOWN_CHANGES else ""
