@@ -13,11 +13,21 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+# The stacks CI tests on, in .ci/run's order (docs/testing.md). The last one runs the README's test command: every
+# test. `--stack NAME` runs what CI runs on NAME: the tests without a `stack` marker and those whose marker names it.
+STACKS = ("py312", "py311")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stack", choices=STACKS, default=None,
+                     help="run the tests CI runs on this stack: unmarked ones and those marked stack(NAME)")
+
+
 def pytest_configure(config):
     if getattr(config.option, "loadscopereorder", None):  # xdist would order the files by their number of tests
         config.option.loadscopereorder = False  # LONGEST_FIRST's order instead
-    config.addinivalue_line("markers", "once: the test's subject does not depend on the Python/JAX version (one-line "
-                                       "errors, file formats, the launcher, reports): .ci/run runs it on one stack")
+    config.addinivalue_line("markers", "stack(*names): CI runs the test on these stacks only (py311: Python 3.11, "
+                                       "jax 0.10.2; py312: Python 3.12, the newest jax); unmarked: on every stack")
 
 
 # The test files, longest first (their summed test times on the py311 stack): `pytest -n 2 --dist loadfile` hands
@@ -34,6 +44,17 @@ LONGEST_FIRST = ["test_deepseek.py", "test_planner.py", "test_fp8.py", "test_gra
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.path.name))  # stable within a file
+    stack, keep, drop = config.getoption("stack"), [], []
+    for item in items:
+        marker = item.get_closest_marker("stack")
+        named = marker.args if marker else STACKS
+        if not named or set(named) - set(STACKS):
+            raise pytest.UsageError(f"{item.nodeid}: stack{named} names no stack or an unknown one; "
+                                    f"name some of {', '.join(STACKS)}")
+        (keep if stack is None or stack in named else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 # One persistent JAX compilation cache per test run (the xdist workers share it) for the train.py processes the

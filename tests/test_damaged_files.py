@@ -11,7 +11,7 @@ from conftest import run_cli
 from MaxOffload.errors import ConfigError
 from MaxOffload.train import integrity
 
-pytestmark = pytest.mark.once  # one-line errors and file formats: not the JAX version's
+pytestmark = pytest.mark.stack("py311")  # one-line errors and file formats: not the JAX version's
 
 
 def _weights_reader(directory):

@@ -14,7 +14,7 @@ import pytest
 from conftest import small_filesystem
 from MaxOffload.data import prepare, text, tokenized, tokenizer
 
-pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
+pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -415,6 +415,7 @@ def _cli_cases(tmp, corpus, tokenizer_files, prepared):
             open(os.path.join(truncated, "tokens.bin"), "wb") as dst:
         dst.write(src.read()[:-10])
     surrogate = write("surrogate.jsonl", json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "a\ud800b"}) + "\n")
+    deep = write("deep.jsonl", json.dumps({"text": "fine"}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
     edited = {name: _edited(prepared["byte"][0], tmp, name, **change) for name, change in (
         ("dtype_edited", {"dtype": "float16"}), ("negative_train_tokens", {"train_tokens": -5}),
         ("vocab_edited", {"vocab_size": 100}))}
@@ -442,6 +443,7 @@ def _cli_cases(tmp, corpus, tokenizer_files, prepared):
         "field_not_string": (PREPARE + [not_str, "--out", out], ["not_str.jsonl:1", "int"]),
         "not_utf8": (PREPARE + [latin1, "--out", out], ["latin1.txt", "UTF-8"]),
         "lone_surrogate": (PREPARE + [surrogate, "--out", out], ["surrogate.jsonl:2", "lone surrogate"]),
+        "nested_too_deeply": (PREPARE + [deep, "--out", out], ["deep.jsonl:2", "nested too deeply"]),
         "eval_fraction_out_of_range": (PREPARE + [good, "--out", out, "--eval_fraction", "1.5"], ["--eval_fraction"]),
         "no_out": (PREPARE + [good], ["--out"]),
         # train.py with data.source=tokens
@@ -502,7 +504,8 @@ def cli_runs(corpus, tokenizer_files, prepared, tmp_path_factory):
                                   "tokenizer_missing", "tokenizer_corrupt_json", "tokenizer_corrupt_model",
                                   "tokenizer_wrong_kind", "tokenizer_json_given_sp_model", "unwritable_output",
                                   "bad_jsonl_line", "missing_field", "field_not_string", "not_utf8",
-                                  "lone_surrogate", "eval_fraction_out_of_range", "no_out", "train_path_missing",
+                                  "lone_surrogate", "nested_too_deeply", "eval_fraction_out_of_range", "no_out",
+                                  "train_path_missing",
                                   "train_path_empty", "train_path_not_prepared", "train_path_truncated",
                                   "train_vocab_too_small", "meta_dtype_edited", "meta_negative_train_tokens",
                                   "meta_vocab_edited"])

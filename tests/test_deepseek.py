@@ -202,6 +202,7 @@ def test_deepseek_v3_attention_scale_and_rope_amplitude():
 # 2. Multi-head latent attention
 
 
+@pytest.mark.stack("py311")
 def test_mla_matches_naive_reference():
     rng = np.random.default_rng(0)
     b, l, d, h, ql, kl, nope, rope, vd = 2, 7, 24, 3, 12, 10, 8, 6, 5
@@ -330,6 +331,7 @@ def ref_moe(layer, x, kept=lambda b, t, c, e: True):
     return out
 
 
+@pytest.mark.stack("py311")
 def test_dropless_moe_matches_loop_over_tokens_and_experts():
     layer = make_moe()
     layer.router_bias[...] = jnp.asarray(np.random.default_rng(5).standard_normal(6), jnp.float32) * 0.1
@@ -367,6 +369,7 @@ def test_moe_layer_through_tokamax_matches_the_loop_reference():
     np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.stack("py311")
 def test_dropless_buffer_keeps_the_first_rows_in_expert_order_and_counts_the_rest():
     """model.moe_buffer_factor=0.5 on one device: rows for half of the 30 choices; the choices sorted by expert
     (then token, then choice) past row 15 are dropped, counted, and give nothing."""
@@ -383,6 +386,7 @@ def test_dropless_buffer_keeps_the_first_rows_in_expert_order_and_counts_the_res
     np.testing.assert_allclose(np.asarray(full), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.stack("py311")
 def test_dropless_gradients_match_dense_reference():
     """Gradients through sort + ragged_dot == gradients of every expert on every token, masked by the routing."""
     layer = make_moe(num_shared=0)
@@ -408,6 +412,7 @@ def test_dropless_gradients_match_dense_reference():
         np.testing.assert_allclose(np.asarray(g_sparse), np.asarray(g_dense), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.stack("py311")
 def test_capacity_mode_drops_later_tokens_and_counts_them():
     rng = np.random.default_rng(6)
     b, l, k, e, d, m, capacity = 2, 9, 2, 4, 8, 6, 3
@@ -436,6 +441,7 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     assert int(jnp.sum(positions >= capacity)) == len(dropped) == int(counted)
 
 
+@pytest.mark.stack("py311")
 def test_capacity_mode_multiplies_as_one_batched_gemm_equal_to_ragged_dot():
     """Capacity mode's equal groups go through a batched GEMM (no ragged_dot, whose GPU lowering is a dense
     dot over every expert): the same values and gradients as ragged_dot on the same groups."""
@@ -456,6 +462,7 @@ def test_capacity_mode_multiplies_as_one_batched_gemm_equal_to_ragged_dot():
     assert "ragged_dot" not in jaxpr and "dot_general" in jaxpr
 
 
+@pytest.mark.stack("py311")
 def test_capacity_mode_statistics_count_dropped_choices():
     layer = make_moe(capacity_factor=0.5)  # capacity = ceil(0.5 * 10 * 2 / 6) = 2 per expert and sequence
     x = jnp.asarray(rand(np.random.default_rng(7), 3, 10, 16))
@@ -471,6 +478,7 @@ def test_capacity_mode_statistics_count_dropped_choices():
 # 5. the model: state, tagged names, configuration
 
 
+@pytest.mark.stack("py311")
 def test_model_state_is_the_router_biases_and_moves_against_the_load():
     from MaxOffload import from_config
 
@@ -569,6 +577,7 @@ def test_train_flops_by_hand():
     assert all_experts == sum(math.prod(params["moe_layers"]["mlp"][w].shape) for w in ("wi_0", "wi_1", "wo"))
 
 
+@pytest.mark.stack("py311")
 def test_dry_run_671b(cli, tmp_path):
     started = time.perf_counter()
     result = cli(["train.py", "configs/deepseek_v3.py:671b", "run.dry_run=true", f"run.output_dir={tmp_path}"])
@@ -613,6 +622,7 @@ def ep_runs(background):
     return runs
 
 
+@pytest.mark.stack("py311")
 @pytest.mark.parametrize("name,reference", [("expert8", "single"), ("expert4_fsdp2", "single"),
                                             ("expert2_fsdp2_tensor2_capacity", "single_capacity"),
                                             ("expert8_tokamax_buffer", "single")])
@@ -627,6 +637,7 @@ def test_expert_parallel_equals_single_device(ep_runs, name, reference):
     assert np.abs(np.asarray(ref["router_bias"])).max() > 0  # the biases did move
 
 
+@pytest.mark.stack("py311")
 @pytest.mark.parametrize("name", ["context4_fsdp2_mtp", "context8_balanced_kv_mtp", "context8_flash_mtp",
                                   "context4_fsdp2_balanced_flash_mtp"])
 def test_context_parallel_mla_with_mtp_equals_single_device(background, name):
@@ -644,6 +655,7 @@ def test_context_parallel_mla_with_mtp_equals_single_device(background, name):
     np.testing.assert_allclose(run["router_bias"], ref["router_bias"], atol=1e-6)
 
 
+@pytest.mark.stack("py311")
 def test_expert_parallel_shards_the_experts(ep_runs):
     # wi_0 is [moe layers, experts, emb, moe_mlp]: experts over `expert`, emb over fsdp, moe_mlp over tensor
     assert ep_runs["expert8"]["wi_0_spec"] == ["None", "expert", "fsdp", "tensor"]
@@ -683,6 +695,7 @@ def test_tiny_training_loss_falls_and_logs_expert_load(background):
     assert b"train/moe/max_load_layer1" in events and b"train/moe/mean_bias_range" in events
 
 
+@pytest.mark.stack("py311")
 def test_mla_goes_through_the_shared_chunked_attention():
     """At 2,048 tokens (four query blocks of 512, each multiplying only by the keys it can see) no
     intermediate of the forward pass holds the whole [length x length] score matrix: DeepSeek's MLA uses the

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version
+pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version
 
 
 def named_paths(text):

@@ -49,7 +49,7 @@ def test_fp8_modes_train_like_bf16_and_their_gradients_stay_near_it():
         assert 0 < found["llama"][mode]["grad"] < 0.15, (mode, found["llama"])  # quantized, and not far off
 
 
-@pytest.mark.once
+@pytest.mark.stack("py311")
 def test_bad_quant_settings_are_one_line(tmp_path):
     base = [*LLAMA, f"run.output_dir={tmp_path}"]
     with pytest.raises(ConfigError, match=r"quant.mode='fp4' is not one of bf16, fp8, mxfp8"):
@@ -70,7 +70,7 @@ def test_bad_quant_settings_are_one_line(tmp_path):
         odd.lower_train_step()
 
 
-@pytest.mark.once
+@pytest.mark.stack("py311")
 def test_fp8_storage_offloads_half_the_bytes(tmp_path):
     """quant.fp8_storage=[offloaded] (every name the plan offloads: mlpwi_0 here): the offloaded gate projection
     goes to pinned host memory as float8_e4m3fn and its scale (two placements in the CUDA lowering, both expected), half the bytes of bfloat16."""
@@ -156,7 +156,7 @@ def test_the_dropless_fp8_grouped_gemm_and_its_gradients_stay_near_bf16(kernel):
     assert float(jnp.abs(got[32:]).max()) == 0 and float(jnp.abs(got_vjp(cotangent)[0][32:]).max()) == 0
 
 
-@pytest.mark.once
+@pytest.mark.stack("py311")
 def test_the_trainers_mfu_counts_the_fp8_parts_against_the_fp8_peak(monkeypatch, tmp_path):
     """On a GB200 (its lookup faked: this machine has none) an fp8 run's MFU peak is the FLOP-weighted harmonic
     mean of the FP8 peak for the model FLOPs of the quantized parts and BF16's for the rest (the embedding, head

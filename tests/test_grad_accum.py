@@ -10,6 +10,8 @@ import pytest
 from conftest import ROOT, process_env, run_cli
 from test_checkpoint import TINY, losses, sigterm_and_resume
 
+pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
+
 # Each case's batches are a step of synthetic data as the trainer reads it (tests/helpers/grad_accum_check.py): K
 # micro-batches of the source and one batch of K x the rows, so a source that drew other tokens per batch shape
 # fails here too (tests/test_training.py checks the rows themselves, for synthetic and text data).
@@ -54,7 +56,6 @@ def test_micro_batches_are_one_batch_under_fsdp_on_eight_devices():
     assert once["where"] == "per step" and once["in_micro_batch_loop_bytes"] == 0 and once["per_step_bytes"] > 0
 
 
-@pytest.mark.once  # resume itself runs on both stacks in test_checkpoint.py
 def test_a_preempted_accumulating_run_resumes_bit_identically(tmp_path):
     args = [*TINY, "train.per_device_batch_size=1", "train.global_batch_size=2", "train.steps=16",
             "checkpoint.every_steps=4"]
@@ -68,7 +69,6 @@ def test_a_preempted_accumulating_run_resumes_bit_identically(tmp_path):
     assert losses(resumed) == losses(straight)
 
 
-@pytest.mark.once
 def test_grad_accum_steps_must_be_positive(tmp_path):
     result = run_cli(["train.py", *TINY, "train.grad_accum_steps=0", f"run.output_dir={tmp_path}"])
     assert result.returncode == 2
@@ -91,7 +91,6 @@ def test_global_batch_size_sets_the_micro_batches_or_says_in_one_line_why_not(tm
         load([*base, "train.global_batch_size=-4"])
 
 
-@pytest.mark.once
 def test_inspect_reports_offloaded_bytes_per_micro_batch(tmp_path):
     """Offloaded activations live for one micro-batch's passes: two micro-batches of 8 offload what one batch of 8
     does, and the report says per micro-batch."""

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
+pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 PACKAGE = "MaxOffload"
 

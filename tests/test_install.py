@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.once  # its subject does not depend on the Python/JAX version: CI runs it on one stack
+pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 # the project's own modules, the test modules that other tests import from (tests/ is on their path), and the
 # helper scripts that import each other (a script's own folder, tests/helpers/, is on its path)

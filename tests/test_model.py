@@ -19,6 +19,8 @@ from MaxOffload.models.layers import apply_rope, causal_attention, rope_inv_freq
 from MaxOffload.offload.names import VOCABULARY
 from MaxOffload.train.flops import train_flops_per_step
 
+pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
+
 # --------------------------------------------------------------------------------------------
 # helpers
 

@@ -18,6 +18,8 @@ from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek
 from MaxOffload.offload import placement
 
+pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
+
 TINY = "configs/deepseek_v3.py:tiny"
 LENGTH = 16
 
@@ -239,7 +241,6 @@ def straight(tmp_path_factory):
     return out
 
 
-@pytest.mark.once  # the training loop's handling of MTP; its numerics run on both stacks above
 def test_tiny_deepseek_with_mtp_trains_and_logs_the_mtp_loss(straight):
     logged = rows(straight)
     assert [r["step"] for r in logged] == list(range(1, 41))
@@ -251,7 +252,6 @@ def test_tiny_deepseek_with_mtp_trains_and_logs_the_mtp_loss(straight):
     assert b"train/mtp_loss" in events and b"train/moe/max_load_layer3" in events
 
 
-@pytest.mark.once
 def test_resume_with_mtp_is_bit_identical(tmp_path, straight):
     saved, result = sigterm_and_resume([*RUN, f"run.output_dir={tmp_path}", "checkpoint.every_steps=10"], tmp_path, 12)
     assert f"(step {saved})" in result.stdout and 12 <= saved < 40

@@ -461,6 +461,7 @@ def test_classify_residuals_of_a_hand_built_scan():
 # 5. Parity: same loss and gradients as full remat
 
 
+@pytest.mark.stack("py311")
 def test_parity_all_presets_and_groups(group_cfg):
     presets = [p for p in policy.PRESETS if p not in ("full", "custom")]
     ref_loss, tolerance, rows = parity.compare(from_config.train_setup(group_cfg), parity.first_batch(group_cfg), presets)
@@ -474,6 +475,7 @@ def test_parity_all_presets_and_groups(group_cfg):
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), label
 
 
+@pytest.mark.stack("py311")
 def test_parity_through_the_flash_attention_path(tmp_path):
     """The flash path (tokamax's custom VJP; its XLA implementation on CPU) under offloading (q/k/v and the
     MLP inputs to the host) and under save_all (the kernel's own residuals kept) against full remat."""

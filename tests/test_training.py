@@ -377,6 +377,7 @@ def test_synthetic_data_is_a_function_of_seed_and_step():
     assert batch["inputs"].max() < 100
 
 
+@pytest.mark.stack("py311")  # numpy only
 @pytest.mark.parametrize("source", ["synthetic", "text"])
 def test_a_steps_rows_do_not_depend_on_micro_batches_or_processes(source):
     """Row r of step s is the same sequence whatever cuts the step: k micro-batches of b rows (the trainer reads

@@ -174,6 +174,9 @@ def _read_jsonl(source, field, stats):
                 reason = e.msg.removesuffix(" at")
                 raise PrepareError(f"{where}: not valid JSON ({reason} at column {e.colno}); each line must be one "
                                    "JSON object") from None
+            except RecursionError:
+                raise PrepareError(f"{where}: JSON nested too deeply to read; each line must be one JSON object with "
+                                   f"a {field!r} string field") from None
             if not isinstance(obj, dict):
                 raise PrepareError(f"{where}: a JSON {type(obj).__name__}, not an object with a {field!r} field")
             if field not in obj:
