@@ -42,6 +42,17 @@ PRESETS = {
     "lhs_pipelined_offload": _PIPELINED + ["pipelined_host_offloading"],  # + the same for offload copies
 }
 
+# the features that only schedule copies to and from host memory: a program with nothing in host memory compiles
+# the same with or without them
+HOST_COPY_FEATURES = {"pipelined_host_offloading"}
+
+
+def same_without_host_copies(preset, other):
+    """`preset` and `other` differ at most in features that only schedule host copies."""
+    return [f for f in PRESETS[preset] if f not in HOST_COPY_FEATURES] == \
+        [f for f in PRESETS[other] if f not in HOST_COPY_FEATURES]
+
+
 _UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (\S+)")
 
 

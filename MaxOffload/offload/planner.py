@@ -203,6 +203,9 @@ def choose(result, setup, m, rates, full_compiled, log):
         trial(label, decisions, reasons, primary.preset, reuse)
     best = min((t for t in result.trials if t.fits), key=lambda t: t.step_s)
     for preset in xla.PRESETS:
+        if not best.host and any(t.decisions == best.decisions and xla.same_without_host_copies(t.preset, preset)
+                                 for t in result.trials):
+            continue  # nothing in host memory: a preset that only schedules host copies compiles the same program
         trial(best.label, best.decisions, best.reasons, preset)
     best = min((t for t in result.trials if t.fits), key=lambda t: t.step_s)
     result.decisions, result.xla_preset, result.timeline = dict(best.decisions), best.preset, best.timeline
