@@ -32,31 +32,49 @@ MESHES = {
 }
 
 
+# The meshes in two processes (each a tens-of-seconds compile per mesh): the data / fsdp / tensor / dcn meshes, and
+# those with a context axis; each group's losses against data8's.
+GROUPS = {"plain": [name for name in MESHES if not name.startswith("context")],
+          "context": [name for name in MESHES if name.startswith("context")]}
+
+
 @pytest.fixture(scope="module")
 def mesh_runs():
-    result = run_cli([os.path.join(ROOT, "tests", "helpers", "mesh_losses.py"), json.dumps(MESHES)], env=EIGHT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """mesh_runs(group) -> {mesh: run} of one group's meshes, each group run once (in its own process)."""
+    done = {}
+
+    def runs(group):
+        if group not in done:
+            meshes = {name: MESHES[name] for name in GROUPS[group]}
+            result = run_cli([os.path.join(ROOT, "tests", "helpers", "mesh_losses.py"), json.dumps(meshes)], env=EIGHT)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done[group] = json.loads(result.stdout.strip().splitlines()[-1])
+        return done[group]
+    return runs
 
 
 @pytest.mark.stack("py311")
-def test_same_losses_under_every_mesh(mesh_runs):
-    reference = mesh_runs["data8"]["losses"]
+@pytest.mark.parametrize("group", GROUPS)
+def test_same_losses_under_every_mesh(mesh_runs, group):
+    reference = mesh_runs("plain")["data8"]["losses"]
     assert len(reference) == 3 and reference[0] > reference[-1]
-    for name, run in mesh_runs.items():
+    runs = mesh_runs(group)
+    assert sorted(runs) == sorted(GROUPS[group])
+    for name, run in runs.items():
         assert run["losses"] == pytest.approx(reference, rel=1e-5), name
 
 
 @pytest.mark.stack("py311")
 def test_fsdp_splits_parameters_eight_ways(mesh_runs):
-    replicated, fsdp = mesh_runs["data8"]["param_bytes"], mesh_runs["fsdp8"]["param_bytes"]
+    runs = mesh_runs("plain")
+    replicated, fsdp = runs["data8"]["param_bytes"], runs["fsdp8"]["param_bytes"]
     # only the small norm scales stay replicated, so the ratio is just under 8
     assert 7.5 < replicated / fsdp <= 8.0
     # wq is [layers, embed, heads, head_dim]: embed over fsdp, heads over tensor
-    assert mesh_runs["fsdp8"]["wq_spec"] == ["None", "fsdp", "tensor", "None"]
-    assert mesh_runs["fsdp8"]["wq_shard_shape"] == [2, 64 // 8, 4, 16]
-    assert mesh_runs["fsdp4_tensor2"]["wq_shard_shape"] == [2, 64 // 4, 4 // 2, 16]
-    assert mesh_runs["data8"]["wq_shard_shape"] == [2, 64, 4, 16]
+    assert runs["fsdp8"]["wq_spec"] == ["None", "fsdp", "tensor", "None"]
+    assert runs["fsdp8"]["wq_shard_shape"] == [2, 64 // 8, 4, 16]
+    assert runs["fsdp4_tensor2"]["wq_shard_shape"] == [2, 64 // 4, 4 // 2, 16]
+    assert runs["data8"]["wq_shard_shape"] == [2, 64, 4, 16]
 
 
 def test_dry_run_state_bytes_follow_the_mesh(tmp_path):

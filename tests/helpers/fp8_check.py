@@ -1,7 +1,7 @@
 """quant.mode against bf16 on CPU, in ONE process: for each case (argv[1]: JSON {case: {"overrides": [config
 overrides], "modes": [quant modes]}}) and each of its modes, the mean loss of the last 10 of STEPS training steps trained on the same data from the
-same seed and, for the first case, the first batch's gradient relative to bf16's. Prints JSON {case: {mode:
-{"first_loss", "final_loss", "grad": relative difference (first case only; bf16's is 0)}}}."""
+same seed and, for a case that asks ("gradient": true), the first batch's gradient relative to bf16's. Prints JSON {case: {mode:
+{"first_loss", "final_loss", "grad": relative difference (cases with "gradient": true; bf16's is 0)}}}."""
 import json
 import sys
 
@@ -49,4 +49,4 @@ def compare(overrides, modes, gradient):
 
 if __name__ == "__main__":
     cases = json.loads(sys.argv[1])
-    print(json.dumps({case: compare(c["overrides"], c["modes"], i == 0) for i, (case, c) in enumerate(cases.items())}))
+    print(json.dumps({case: compare(c["overrides"], c["modes"], c.get("gradient", False)) for case, c in cases.items()}))
