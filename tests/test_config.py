@@ -354,6 +354,8 @@ def _error_cases(tmp):
         "num_layers_too_many": (dry + ["model.num_layers=100000"], ["100,000 layers", "model.num_layers"]),
         "head_dim_huge": (dry + ["model.head_dim=2147483646"], ["parameters per token", "model.emb_dim"]),
         "seed_huge": (dry + ["run.seed=10000000000000000000000"], ["run.seed", "extra digit"]),
+        "all_to_all_with_a_capacity": (dry + ["mesh.exchange=all_to_all", "model.capacity_factor=1.0"],
+                                       ["mesh.exchange=all_to_all is dropless", "model.capacity_factor=0"]),
     }
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -40,19 +41,47 @@ EP_CAPACITY_RUNS = {
     "expert2_fsdp2_tensor2_capacity": ["mesh.ici.expert=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2",
                                        "model.capacity_factor=1.0"],
 }
+# the token all-to-all (mesh.exchange=all_to_all) against the all-gather exchange and one device, with multi-token
+# prediction (its MoE block exchanges too): dropless, and with a buffer of half a balanced step's rows (choices dropped)
+A2A = ["mesh.exchange=all_to_all", "model.mtp_depth=1"]
+EXCHANGE_RUNS = {  # three jobs of two or three runs (a run on 8 CPU devices: about 25 s on one core)
+    "exchange": {
+        "single_mtp": ["single", "model.mtp_depth=1"],
+        "expert8_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A],
+        "expert4_fsdp2_all_to_all": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", *A2A]},
+    "exchange_buffer8": {
+        "expert8_half_buffer_all_gather": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", "model.mtp_depth=1",
+                                           "model.moe_buffer_factor=0.5"],
+        "expert8_half_buffer_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A, "model.moe_buffer_factor=0.5"]},
+    "exchange_buffer4": {
+        "expert4_fsdp2_half_buffer_all_gather": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", "model.mtp_depth=1",
+                                                 "model.moe_buffer_factor=0.5"],
+        "expert4_fsdp2_half_buffer_all_to_all": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", *A2A,
+                                                 "model.moe_buffer_factor=0.5"]},
+}
+
+
+def job_of(jobs, run):
+    """The job (of EXCHANGE_RUNS or CONTEXT_RUNS) that makes `run`."""
+    return next(job for job, runs in jobs.items() if run in runs)
+
+
 # context parallelism (MLA and multi-token prediction on): the keys and values gathered per context shard, with and
 # without the load-balanced layout
-CONTEXT_RUNS = {
-    "single_mtp": ["single", "model.mtp_depth=1"],
-    "context4_fsdp2_mtp": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "model.mtp_depth=1"],
-    # each shard gathers the per-head keys and values instead of the latent (model.mla_context_gather)
-    "context8_balanced_kv_mtp": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "mesh.context_load_balance=true",
-                                 "model.mla_context_gather=kv", "model.mtp_depth=1"],
+CONTEXT_RUNS = {  # two jobs, each against its own one-device run: the xla path, the flash kernel per shard
+    "context": {
+        "single_mtp": ["single", "model.mtp_depth=1"],
+        "context4_fsdp2_mtp": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "model.mtp_depth=1"],
+        # each shard gathers the per-head keys and values instead of the latent (model.mla_context_gather)
+        "context8_balanced_kv_mtp": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "mesh.context_load_balance=true",
+                                     "model.mla_context_gather=kv", "model.mtp_depth=1"]},
     # the flash kernel per shard (tokamax's XLA implementation on CPU) on MLA's head dimensions (q/k 48, v 32), from
     # the gathered latent, in sequence order and load-balanced
-    "context8_flash_mtp": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "model.attention=flash", "model.mtp_depth=1"],
-    "context4_fsdp2_balanced_flash_mtp": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true",
-                                          "model.attention=flash", "model.mtp_depth=1"],
+    "context_flash": {
+        "single_mtp": ["single", "model.mtp_depth=1"],
+        "context8_flash_mtp": ["mesh.ici.context=8", "mesh.ici.fsdp=1", "model.attention=flash", "model.mtp_depth=1"],
+        "context4_fsdp2_balanced_flash_mtp": ["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true",
+                                              "model.attention=flash", "model.mtp_depth=1"]},
 }
 TRAIN_STEPS = 40
 
@@ -62,24 +91,56 @@ TRAIN_STEPS = 40
 
 
 class Background:
+    """The module's subprocess jobs, at most LANES running at once (the rest wait in the order started): seven
+    jobs at once on two cores slowed every test beside them (the other xdist worker's too) about fourfold."""
+    LANES = 2
+
     def __init__(self, tmp):
-        self.tmp, self.procs = tmp, {}
+        self.tmp, self.procs, self.waiting = tmp, {}, []
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        threading.Thread(target=self._keep_lanes_busy, daemon=True).start()
+
+    def _keep_lanes_busy(self):
+        while not self.stopped.wait(0.5):
+            self._pump()
 
     def start(self, name, args, env=None):
+        with self.lock:
+            self.waiting.append((name, args, env))
+        self._pump()
+
+    def _launch(self, name, args, env):
         out = open(os.path.join(self.tmp, f"{name}.out"), "w")
         err = open(os.path.join(self.tmp, f"{name}.err"), "w")
         self.procs[name] = (subprocess.Popen([sys.executable, *args], cwd=ROOT, env=process_env(args, env),
                                              stdout=out, stderr=err, text=True), out, err)
 
+    def _pump(self, first=None):
+        """Starts waiting jobs (`first` ahead of the others) while a lane is free."""
+        with self.lock:
+            self.waiting.sort(key=lambda job: job[0] != first)
+            while self.waiting and sum(p.poll() is None for p, _, _ in self.procs.values()) < self.LANES:
+                self._launch(*self.waiting.pop(0))
+
     def result(self, name, timeout=600):
+        deadline = time.monotonic() + timeout
+        while name not in self.procs:  # waiting for a lane: it goes next
+            self._pump(first=name)
+            if name not in self.procs:
+                time.sleep(1)
+            assert time.monotonic() < deadline, f"background job {name} never started"
         proc, out, err = self.procs[name]
-        proc.wait(timeout=timeout)
+        proc.wait(timeout=max(1, deadline - time.monotonic()))
         out.close(), err.close()
+        self._pump()
         read = lambda ext: open(os.path.join(self.tmp, f"{name}.{ext}")).read()  # noqa: E731
         return proc.returncode, read("out"), read("err")
 
     def stop(self):
         """Ends the jobs no test waited for (a run of selected tests only), so none outlives the module."""
+        self.stopped.set()
+        with self.lock:
+            self.waiting.clear()
         for proc, out, err in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
@@ -93,16 +154,21 @@ def background(tmp_path_factory, request):
     jobs = Background(tmp)
     helper = os.path.join(ROOT, "tests", "helpers", "deepseek_mesh_losses.py")
     selected = " ".join(item.nodeid for item in request.session.items)
-    # each job only when a selected test reads it (CI's py312 stack leaves the mesh runs out)
-    if "test_expert_parallel" in selected:
-        jobs.start("ep", [helper, json.dumps(EP_RUNS)], EIGHT)
-        jobs.start("ep_capacity", [helper, json.dumps(EP_CAPACITY_RUNS)], EIGHT)
-    if "test_context_parallel" in selected:
-        jobs.start("context", [helper, json.dumps(CONTEXT_RUNS)], EIGHT)
+    # each job only when a selected test reads it (CI's py312 stack leaves the mesh runs out), in the order the
+    # tests read them
     if "test_offload_recipe_fits_128" in selected:
         jobs.start("recipe_128", ["train.py", "configs/deepseek_v3_offload.py:671b", "run.dry_run=true",
                                   f"run.output_dir={tmp}/recipe"],
                    {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=128"})
+    if "test_expert_parallel" in selected:
+        jobs.start("ep", [helper, json.dumps(EP_RUNS)], EIGHT)
+        jobs.start("ep_capacity", [helper, json.dumps(EP_CAPACITY_RUNS)], EIGHT)
+    if "test_token_all_to_all" in selected:
+        for job, runs in EXCHANGE_RUNS.items():
+            jobs.start(job, [helper, json.dumps(runs)], EIGHT)
+    if "test_context_parallel" in selected:
+        for job, runs in CONTEXT_RUNS.items():
+            jobs.start(job, [helper, json.dumps(runs)], EIGHT)
     if "test_offload_in_moe_group_only" in selected:
         jobs.start("inspect", ["-m", "MaxOffload.offload.inspect", TINY, "remat.groups.m.layers=moe",
                                "remat.groups.m.tensors.moe_mlpwi_0=offload", "remat.groups.m.tensors.moe_mlpwi_1=offload",
@@ -638,13 +704,55 @@ def test_expert_parallel_equals_single_device(ep_runs, name, reference):
 
 
 @pytest.mark.stack("py311")
+def test_destination_rows_are_the_all_gathered_choices_in_expert_order():
+    """Each rank's choices land where the all-gather exchange puts them: in their owner's rows in expert order,
+    then rank, then token order (so a budget drops the same choices). Fails if a row collides or moves."""
+    from MaxOffload.models.exchange import destination_rows
+
+    ranks, num_local, per_rank = 4, 3, 10
+    experts = np.random.default_rng(0).integers(0, ranks * num_local, (ranks, per_rank))
+    counts = np.stack([np.bincount(e, minlength=ranks * num_local) for e in experts])
+    got = np.stack([np.asarray(destination_rows(jnp.asarray(e), jnp.asarray(counts), num_local, r))
+                    for r, e in enumerate(experts)])
+    flat = experts.reshape(-1)  # the all-gathered choices, rank-major
+    for owner in range(ranks):
+        mine = np.flatnonzero(flat // num_local == owner)
+        in_order = mine[np.argsort(flat[mine], kind="stable")]  # expert order, then rank, then token
+        np.testing.assert_array_equal(got.reshape(-1)[in_order], np.arange(len(in_order)))
+
+
+@pytest.mark.parametrize("name,reference", [("expert8_all_to_all", "single_mtp"),
+                                            ("expert4_fsdp2_all_to_all", "single_mtp"),
+                                            ("expert8_half_buffer_all_to_all", "expert8_half_buffer_all_gather"),
+                                            ("expert4_fsdp2_half_buffer_all_to_all",
+                                             "expert4_fsdp2_half_buffer_all_gather")])
+def test_token_all_to_all_equals_the_all_gather_exchange_and_one_device(background, name, reference):
+    """mesh.exchange=all_to_all (each choice to its expert's owner and back, the padded all_to_all that XLA:CPU runs)
+    over 8 expert ranks and 4 x fsdp 2, with multi-token prediction: the losses, metrics (the MTP loss, the loads)
+    and router biases of one device (which the all-gather exchange equals: test_expert_parallel_equals_single_device),
+    and with a buffer of half a balanced step's rows the same choices dropped as the all-gather exchange drops
+    (moe/dropped_fraction > 0) and its losses."""
+    code, out, err = background.result(job_of(EXCHANGE_RUNS, name), timeout=1200)
+    assert code == 0, err[-3000:]
+    runs = json.loads(out.strip().splitlines()[-1])
+    run, ref = runs[name], runs[reference]
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for got, want in zip(run["metrics"], ref["metrics"]):
+        assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert all(v == 0 for k, v in got.items() if k not in want), got  # single: no dropped counts at all
+    np.testing.assert_allclose(run["router_bias"], ref["router_bias"], atol=1e-6)
+    if "half_buffer" in name:
+        assert all(m["moe/dropped_fraction"] > 0 for m in run["metrics"]), run["metrics"]
+
+
+@pytest.mark.stack("py311")
 @pytest.mark.parametrize("name", ["context4_fsdp2_mtp", "context8_balanced_kv_mtp", "context8_flash_mtp",
                                   "context4_fsdp2_balanced_flash_mtp"])
 def test_context_parallel_mla_with_mtp_equals_single_device(background, name):
     """MLA attention and multi-token prediction over a sequence split 4 (x fsdp 2) and 8 ways, in sequence order and
     load-balanced, on the XLA path and through the flash kernel per shard, gathering the latent (the default) or
     the keys and values: the losses, the MTP loss and the router biases of the one-device run."""
-    code, out, err = background.result("context", timeout=1500)
+    code, out, err = background.result(job_of(CONTEXT_RUNS, name), timeout=1500)
     assert code == 0, err[-3000:]
     runs = json.loads(out.strip().splitlines()[-1])
     run, ref = runs[name], runs["single_mtp"]

@@ -83,7 +83,10 @@ SCHEMA = {
         "rules": {axis: (list(mesh_axes), f"mesh axes that shard the logical axis {axis!r}")
                   for axis, mesh_axes in DEFAULT_RULES.items()},
         "exchange": ("all_gather", "how MoE layers' routed tokens reach their experts' devices (models/exchange.py): "
-                                   "all_gather (tokens gathered over the expert axes, outputs reduce-scattered back)"),
+                                   "all_gather (tokens gathered over the expert axes, outputs reduce-scattered back) "
+                                   "| all_to_all (each token choice to its expert's owner and back; dropless; padded "
+                                   "per-rank buffers on every platform for now: exact, but up to top_k x the "
+                                   "all-gather's bytes until the ragged GPU/TPU path is built)"),
         "context_attention": ("all_gather", "how a sequence split over the context axes attends "
                                             "(models/layers.attention): all_gather (each shard gathers the keys and "
                                             "values; xla: masks by position; flash: its kernels per chunk of "

@@ -1,8 +1,9 @@
 """How routed tokens reach the devices that hold their experts and come back: an exchange runs a MoE layer's
 dispatch (each token choice to a row of its expert's buffer), the experts' grouped matmuls on the rows a device
 holds (models/matmul.grouped) and the combine (each token's gate-weighted sum of its choices' outputs).
-`ParallelLayout.exchange` names one from EXCHANGES; a new kind (all-to-all, say) is one class and one
-`EXCHANGES[name] = ...` (tests/test_moe_parts.py adds one from a test file).
+`ParallelLayout.exchange` names one from EXCHANGES; a new kind is one class and one `EXCHANGES[name] = ...`
+(tests/test_moe_parts.py adds one from a test file). Two are built: `all_gather` (below) and `all_to_all`
+(AllToAllExchange: each choice to its expert's owner and back).
 
 The interface (`Exchange`): dispatch(x, experts, positions) -> (rows, row of every choice, group sizes, dropped);
 matmul_in(rows, w, sizes); matmul_out(h, w, sizes); combine(y_rows, row, gates). The matmuls' outputs are ordinary
@@ -10,9 +11,10 @@ matmul_in(rows, w, sizes); matmul_out(h, w, sizes); combine(y_rows, row, gates).
 
 `all_gather` (AllGatherExchange): the tokens are all-gathered over the `expert` mesh axes, each device runs its own
 experts on the rows routed to them, and a reduce-scatter returns the combined outputs to the tokens' owners
-(inside jax.shard_map). Why not all-to-all: a ragged all-to-all is what a GPU wants but XLA:CPU cannot run it
-(untestable here); an all-to-all on capacity-padded buffers drops tokens or pads to the worst case, while
-DeepSeek-V3 trains dropless. With top-8 of 256 experts on 8 expert ranks a token's choices reach several ranks
+(inside jax.shard_map). Against an all-to-all: a ragged all-to-all is what a GPU wants but XLA:CPU cannot run it
+(AllToAllExchange therefore pads its per-rank buffers, which moves more than this exchange until the ragged path
+is built); an all-to-all on capacity-padded buffers drops tokens or pads to the worst case, while DeepSeek-V3
+trains dropless. With top-8 of 256 experts on 8 expert ranks a token's choices reach several ranks
 anyway (at most 4 with DeepSeek-V3's 4-of-8 group limit when groups align with ranks, ~5 without it), so the
 all-gather sends each token to 7 remote ranks where an all-to-all would send 3-4.6 copies: within 2x of the traffic,
 no drops, exactly the single-device result. Its cost: the gathered tokens and, dropless, a rows buffer sized for
@@ -187,4 +189,96 @@ class AllGatherExchange(Exchange):
         return self._run(local, (_spec(self.rows, ()), _spec(self.rows), self.tokens), self.tokens, y_rows, row, gates)
 
 
-EXCHANGES = {"all_gather": AllGatherExchange}
+def destination_rows(experts, all_counts, num_local, rank):
+    """Where each of this rank's token choices lands in its expert's owner's rows, from every rank's counts.
+
+    experts [N] (this rank's choices, token order); all_counts [ranks, E]: every rank's choices per expert (an
+    all-gather of this rank's bincount); the owner of expert e is rank e // num_local and holds its experts' rows
+    in expert order, each expert's rows in rank order, each rank's in token order: the order of the all-gathered
+    choices (AllGatherExchange), so the rows past a budget (dropped) are the same choices. Returns the row of every
+    choice in its owner's rows."""
+    total = jnp.sum(all_counts, 0)  # [E]: every rank's choices per expert
+    first_of_expert = (jnp.cumsum(total.reshape(-1, num_local), 1) - total.reshape(-1, num_local)).reshape(-1)
+    before_rank = (jnp.cumsum(all_counts, 0) - all_counts)[rank]  # [E]: choices of lower ranks, per expert
+    order = jnp.argsort(experts, stable=True)
+    first_here = jnp.cumsum(all_counts[rank]) - all_counts[rank]
+    within = jnp.zeros_like(experts).at[order].set(jnp.arange(experts.size) - first_here[experts[order]])
+    return first_of_expert[experts] + before_rank[experts] + within
+
+
+class AllToAllExchange(AllGatherExchange):
+    """Each token choice travels to the rank that owns its expert and its output comes back (mesh.exchange=all_to_all,
+    dropless with an optional `model.moe_buffer_factor`): the ranks all-gather their per-expert counts ([ranks, E]
+    integers), each choice's row in its owner's expert-ordered rows follows from them (destination_rows), a choice
+    past its owner's budget is dropped (counted, as AllGatherExchange drops the same choices), and the rows move by
+    `jax.lax.all_to_all` of per-rank buffers padded to the most one rank can send another (min(choices,
+    budget)) -- the one all-to-all XLA:CPU runs, and exact. Padded, every rank sends ranks x that many rows of
+    choices where the all-gather sends its tokens: up to top_k x the all-gather's bytes, so on GPUs and TPUs this
+    waits for its ragged path (jax.lax.ragged_all_to_all with the same counts and rows), which is not built yet.
+    Tokens not sharded over the expert axes (nothing to exchange) and no mesh: AllGatherExchange's own steps."""
+
+    def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
+        super().__init__(layout, num_experts, capacity, kernel, buffer_factor, numerics)
+        if capacity:
+            raise ValueError("mesh.exchange=all_to_all is dropless: model.capacity_factor must be 0")
+        self.ranks = logical.ways(layout.mesh, self.ep) if self.mesh is not None and self.gather else 1
+
+    def _sizes(self, local_choices):
+        """(rows a rank holds: `budget`, rows one rank can send another: `chunk`) for `local_choices` per rank."""
+        rows = self.ranks * local_choices  # the worst case: every rank's choices for one rank's experts
+        if self.buffer_factor:
+            rows = min(rows, math.ceil(self.buffer_factor * local_choices))  # x a balanced step's rows
+        return rows, min(local_choices, rows)
+
+    def dispatch(self, x, experts, positions):
+        if self.ranks == 1:
+            return super().dispatch(x, experts, positions)
+
+        def local(x, experts):
+            rank = jax.lax.axis_index(self.ep)
+            choices = experts.reshape(-1)
+            budget, chunk = self._sizes(choices.size)
+            counts = jnp.bincount(choices, length=self.num_experts)
+            all_counts = jax.lax.all_gather(counts, self.ep)  # [ranks, E]
+            row = destination_rows(choices, all_counts, self.num_local, rank)
+            kept = row < budget
+            owner = choices // self.num_local
+            # a kept choice's place among this rank's kept choices to the same owner (expert, then token order)
+            order = jnp.argsort(jnp.where(kept, choices, self.num_experts), stable=True)
+            sent = jnp.bincount(jnp.where(kept, owner, self.ranks), length=self.ranks + 1)[:self.ranks]
+            place = jnp.zeros_like(choices).at[order].set(jnp.arange(choices.size))
+            slot = jnp.where(kept, owner * chunk + place - (jnp.cumsum(sent) - sent)[owner], self.ranks * chunk)
+            token = jnp.arange(choices.size) // experts.shape[-1]
+            send = jnp.zeros((self.ranks * chunk, x.shape[-1]), x.dtype).at[slot].set(
+                x.reshape(-1, x.shape[-1])[token], mode="drop")
+            send_row = jnp.full((self.ranks * chunk,), budget, jnp.int32).at[slot].set(row, mode="drop")
+            received = jax.lax.all_to_all(send, self.ep, 0, 0, tiled=True)  # chunk r: from rank r
+            received_row = jax.lax.all_to_all(send_row, self.ep, 0, 0, tiled=True)
+            rows = jnp.zeros((budget, x.shape[-1]), x.dtype).at[received_row].set(received, mode="drop")
+            slot_of_row = jnp.full((budget,), self.ranks * chunk, jnp.int32).at[received_row].set(
+                jnp.arange(self.ranks * chunk, dtype=jnp.int32), mode="drop")
+            mine = jax.lax.dynamic_slice_in_dim(jnp.sum(all_counts, 0), rank * self.num_local, self.num_local)
+            ends = jnp.minimum(jnp.cumsum(mine), budget)
+            sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
+            dropped = (jnp.sum(mine) - ends[-1]).astype(jnp.float32)[None]
+            return rows, jnp.concatenate([slot_of_row, slot.astype(jnp.int32)]), sizes, dropped
+
+        rows = _spec(self.rows)
+        return self._run(local, (self.tokens,) * 2, (_spec(self.rows, ()), rows, rows, rows), x, experts)
+
+    def combine(self, y_rows, row, gates):
+        if self.ranks == 1:
+            return super().combine(y_rows, row, gates)
+
+        def local(y_rows, row, gates):
+            budget, chunk = self._sizes(gates.size)
+            slot_of_row, slot = row[:budget], row[budget:]
+            back = jnp.zeros((self.ranks * chunk, y_rows.shape[-1]), y_rows.dtype).at[slot_of_row].set(
+                y_rows, mode="drop")
+            returned = jax.lax.all_to_all(back, self.ep, 0, 0, tiled=True)  # chunk r: from rank r's experts
+            return combine(returned, slot, gates)
+
+        return self._run(local, (_spec(self.rows, ()), _spec(self.rows), self.tokens), self.tokens, y_rows, row, gates)
+
+
+EXCHANGES = {"all_gather": AllGatherExchange, "all_to_all": AllToAllExchange}
