@@ -44,10 +44,12 @@ EP_CAPACITY_RUNS = {
 # the token all-to-all (mesh.exchange=all_to_all) against the all-gather exchange and one device, with multi-token
 # prediction (its MoE block exchanges too): dropless, and with a buffer of half a balanced step's rows (choices dropped)
 A2A = ["mesh.exchange=all_to_all", "model.mtp_depth=1"]
-EXCHANGE_RUNS = {  # three jobs of two or three runs (a run on 8 CPU devices: about 25 s on one core)
-    "exchange": {
+EXCHANGE_RUNS = {  # four jobs of two runs (a run on 8 CPU devices: about 25 s on one core, more on jax 0.12)
+    "exchange8": {
         "single_mtp": ["single", "model.mtp_depth=1"],
-        "expert8_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A],
+        "expert8_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A]},
+    "exchange4": {
+        "single_mtp": ["single", "model.mtp_depth=1"],
         "expert4_fsdp2_all_to_all": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", *A2A]},
     "exchange_buffer8": {
         "expert8_half_buffer_all_gather": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", "model.mtp_depth=1",
