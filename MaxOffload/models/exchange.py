@@ -261,6 +261,8 @@ class AllToAllExchange(AllGatherExchange):
             ends = jnp.minimum(jnp.cumsum(mine), budget)
             sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
             dropped = (jnp.sum(mine) - ends[-1]).astype(jnp.float32)[None]
+            # `row` for combine: where each held row came from in the received buffer, then where each of this
+            # rank's choices finds its output in the buffer that comes back (past the end: dropped)
             return rows, jnp.concatenate([slot_of_row, slot.astype(jnp.int32)]), sizes, dropped
 
         rows = _spec(self.rows)
