@@ -326,15 +326,26 @@ def test_a_conversion_never_writes_into_its_source_or_what_it_did_not_create(tmp
         ["exported.partial", "exported.partial-someone"]
 
 
+def _written(path):
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:  # not yet, or no longer (a conversion removes its marker as it finishes)
+        return False
+
+
 def _stopped_mid_conversion(argv, out):
     """A `python -m MaxOffload.convert ARGV` process frozen (SIGSTOP) while its staging directory beside `out`
-    exists, i.e. mid-conversion; retried when a conversion outruns the polling."""
-    pattern = os.path.basename(out) + ".partial-"
+    exists with its marker in it, i.e. mid-conversion (stopped between the directory and its marker, a killed
+    conversion leaves a directory nothing proves is its own, which a rerun rightly leaves alone); retried when a
+    conversion outruns the polling."""
+    from MaxOffload.convert.staging import MARKER
+
+    pattern, where = os.path.basename(out) + ".partial-", os.path.dirname(out)
     for _ in range(5):
         process = subprocess.Popen([sys.executable, "-m", "MaxOffload.convert", *argv], cwd=ROOT, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=process_env(["python"]))
         while process.poll() is None:
-            if any(n.startswith(pattern) for n in os.listdir(os.path.dirname(out))):
+            if any(n.startswith(pattern) and _written(os.path.join(where, n, MARKER)) for n in os.listdir(where)):
                 process.send_signal(signal.SIGSTOP)
                 return process
             time.sleep(0.002)
