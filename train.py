@@ -26,9 +26,9 @@ def print_help():
 @tool
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
-    from MaxOffload.platform import prefer_cpu_without_gpu
+    from MaxOffload.platform import pick_platform
 
-    prefer_cpu_without_gpu()
+    pick_platform()
     if argv and argv[0] in ("-h", "--help"):
         print_help()
         return 0

@@ -1,13 +1,14 @@
-"""Prove it before launch: compile the real training step for a GPU cluster on a CPU-only machine.
+"""Prove it before launch: compile the real training step for a GPU cluster or a TPU slice on a CPU-only machine.
 
     python -m MaxOffload.aot CONFIG.py[:ARG] [overrides...] [--target gb200] [--topology 2x16x4]
                              [--output_dir DIR]
+    python -m MaxOffload.aot CONFIG.py[:ARG] --target v5e --topology 2x2 [aot.num_slices=2]
 
 --target/--topology/--output_dir are aot.target/aot.topology/run.output_dir (MaxOffload/cli.py): the
 last one given on the command line wins.
 
-XLA's own GPU compiler (the JAX CUDA plugin, no GPU or driver needed) compiles the same step
-as train.py — same model, policies, mesh and XLA preset — for compile-only devices described
+XLA's own compiler for the target (GPUs: the JAX CUDA plugin; TPUs: libtpu; no accelerator or driver needed)
+compiles the same step as train.py — same model, policies, mesh and XLA preset — for compile-only devices described
 by MaxOffload/hardware.py, and reports per device: argument bytes (parameters + optimizer
 state + batch), temporaries, output, the HBM total against the device's capacity (with the
 launch.mem_fraction headroom) and a fits / does-not-fit verdict, host bytes (offloaded
@@ -41,12 +42,14 @@ def build_report(cfg, plan, target, topology):
     from MaxOffload.train.step import HOST
 
     accelerator = hardware.ACCELERATORS[target]
-    devices = compile_only_devices(target, topology)
+    devices = compile_only_devices(target, topology, cfg.aot.num_slices)
     setup = from_config.train_setup(cfg, devices, plan)
     groups, problems, _ = activation_groups(cfg, setup)
     started = time.perf_counter()
-    compiled = setup.compile_train_step()
+    compiled = compile_or_refusal(setup)
     compile_time = time.perf_counter() - started
+    if isinstance(compiled, dict):  # the TPU compiler refuses a step that does not fit
+        return refused_report(cfg, setup, accelerator, topology, compiled, compile_time), None
     m = compiled.memory_analysis()
     hbm, host = compiled_bytes(m)
     module = hlo.parse(compiled.as_text())
@@ -55,7 +58,8 @@ def build_report(cfg, plan, target, topology):
     usable = int(accelerator.hbm_bytes * cfg.launch.mem_fraction)
     host_usable = int(accelerator.host_ram_per_gpu * HOST_USABLE)
     return {
-        "target": target, "accelerator": accelerator.name, "topology": topology, "devices": len(devices),
+        "target": target, "accelerator": accelerator.name, "topology": describe_topology(cfg, topology),
+        "devices": len(devices),
         "mesh": mesh_describe(setup.mesh), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "params_total": setup.params_total(),
         "argument_bytes_per_device": m.argument_size_in_bytes, "output_bytes_per_device": m.output_size_in_bytes,
@@ -72,9 +76,40 @@ def build_report(cfg, plan, target, topology):
         "problems": problems, "compile_time_s": compile_time,
         "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
         "weight_gathers": {**weight_gathers(module, setup.micro_batches), "asked": setup.gather_weights},
-        "warnings": [w for w in [xla_bugs.affects(plan, "gpu")] if w] + [f"compiled work: {w}" for w in
+        "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform)] if w] + [f"compiled work: {w}" for w in
                                                                          work["warnings"]],
     }, simulation
+
+
+def describe_topology(cfg, topology):
+    return topology if cfg.aot.num_slices == 1 else f"{cfg.aot.num_slices} x {topology}"
+
+
+def compile_or_refusal(setup):
+    """The compiled step, or {"needed": bytes, "available": bytes, "message": line} when the compiler refuses it
+    for want of memory (libtpu does: it checks the fit at compile; XLA's GPU compiler leaves it to the caller)."""
+    from MaxOffload import memory
+
+    try:
+        return setup.compile_train_step()
+    except Exception as e:  # jax's runtime error type moved between versions: read the status it carries
+        refusal = memory.out_of_memory(e)
+        if refusal is None:
+            raise
+        return refusal
+
+
+def refused_report(cfg, setup, accelerator, topology, refusal, compile_time):
+    """The report of a step the target's compiler refused for memory: DOES NOT FIT, with the needed and available
+    bytes it named."""
+    from MaxOffload.parallel.mesh import describe as mesh_describe
+
+    return {"target": cfg.aot.target, "accelerator": accelerator.name, "topology": describe_topology(cfg, topology),
+            "devices": setup.mesh.size, "mesh": mesh_describe(setup.mesh), "params_total": setup.params_total(),
+            "state_bytes_per_device": setup.state_bytes_per_device(), "compile_time_s": compile_time,
+            "hbm_capacity_bytes": accelerator.hbm_bytes, "hbm_bytes_per_device": refusal["needed"],
+            "hbm_available_bytes": refusal["available"], "hbm_fits": False, "fits": False,
+            "refused": refusal["message"], "xla_preset": cfg.xla.preset, "problems": [], "warnings": []}
 
 
 def weight_gathers(module, micro_batches):
@@ -94,6 +129,13 @@ def weight_gathers(module, micro_batches):
 
 
 def format_report(r):
+    if r.get("refused"):
+        return "\n".join([
+            f"{r['params_total'] / 1e9:,.4g}B parameters on {r['devices']} x {r['accelerator']} (topology "
+            f"{r['topology']}, mesh {r['mesh']}): the compiler refused the step after {r['compile_time_s']:.1f} s",
+            (f"HBM per device: needs {gib(r['hbm_bytes_per_device'])} of {gib(r['hbm_available_bytes'])} "
+             if r["hbm_bytes_per_device"] else "HBM per device: ") + f"({r['refused']})",
+            "verdict: DOES NOT FIT (keep fewer activations: a smaller remat.policy, offload some, or more devices)"])
     verdict = "FITS" if r["hbm_fits"] else "DOES NOT FIT"
     lines = [f"{r['params_total'] / 1e9:,.4g}B parameters on {r['devices']} x {r['accelerator']} "
              f"(topology {r['topology']}, mesh {r['mesh']}); compiled in {r['compile_time_s']:.1f} s",
@@ -105,7 +147,7 @@ def format_report(r):
              f"{verdict} (headroom {gib(r['headroom_bytes'])})",
              f"pinned host memory per device: {gib(r['host_bytes_per_device'])} (offloaded activations "
              f"{gib(r['host_temp_bytes_per_device'])}, host-resident state {gib(r['host_state_bytes_per_device'])}) "
-             f"of {gib(r['host_ram_per_gpu_bytes'])} host RAM per GPU ({gib(r['host_usable_bytes'])} usable): "
+             f"of {gib(r['host_ram_per_gpu_bytes'])} host RAM per device ({gib(r['host_usable_bytes'])} usable): "
              f"{'FITS' if r['host_fits'] else 'DOES NOT FIT'}",
              f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}"]
     for label, names in r["offloaded"].items():
@@ -134,13 +176,13 @@ def main(argv):
     argv, _, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS)
     from MaxOffload.platform import use_cpu_runtime
 
-    use_cpu_runtime()  # compile-only GPU devices; no GPU runtime needed
+    use_cpu_runtime()  # compile-only devices; no accelerator runtime needed
     from MaxOffload import xla
     from MaxOffload.config import ConfigError, load
     from MaxOffload.reports import publish
 
     cfg = load(argv)
-    require_plugin()
+    require_plugin(target=cfg.aot.target)
     xla.apply(cfg)
     from MaxOffload.offload.planner import plan_for
 
@@ -149,11 +191,12 @@ def main(argv):
         os.makedirs(cfg.run.output_dir, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"run.output_dir={cfg.run.output_dir}: {e.strerror}; choose a writable directory") from None
-    print(f"compiling the training step of {argv[0]} for {cfg.aot.topology} x {cfg.aot.target} "
-          "(deviceless) ...", flush=True)
+    print(f"compiling the training step of {argv[0]} for {describe_topology(cfg, cfg.aot.topology)} x "
+          f"{cfg.aot.target} (deviceless) ...", flush=True)
     report, simulation = build_report(cfg, plan, cfg.aot.target, cfg.aot.topology)
     publish(cfg, "aot_report.json", report, format_report(report))
-    print(timeline.write_pictures(simulation, cfg.run.output_dir))
+    if simulation is not None:
+        print(timeline.write_pictures(simulation, cfg.run.output_dir))
     return 0 if report["fits"] else 1
 
 

@@ -33,6 +33,8 @@ import json
 import math
 import re
 
+import numpy as np
+
 from MaxOffload import hlo
 from MaxOffload.hlo import dims
 from MaxOffload.models import components
@@ -237,6 +239,8 @@ class Counter:
             if "ragged_dot" in ins.op_name:
                 out.dense_ragged_dots.append((ins.op_name, found[-1].flops))
             return found
+        if ins.opcode == "convolution":  # XLA:TPU writes a matmul as a convolution (dim_labels, a window)
+            return [Matmul(convolution_flops(ins, shapes) * times, ins.op_name, "dot", here, times)]
         if ins.opcode == "custom-call":
             target = ins.target() or "?"
             if target.startswith(GEMM_TARGETS):
@@ -268,6 +272,41 @@ class Counter:
             if ins.called(key):
                 found += self.computation(ins.called(key), times, stack, here, rematted)
         return found
+
+
+def convolution_flops(ins, shapes):
+    """Multiply-adds x 2 of a convolution: batch x output features x input features (per group) x, per spatial
+    dimension, the (output position, window position) pairs that land inside the input (padding excluded; how XLA's
+    cost analysis counts them). XLA:TPU lowers dots to convolutions whose window runs over a broadcast dimension,
+    padded so each output position sees one input position: this counts such a dot's FLOPs exactly."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attributes)
+    lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+    rhs = dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+    if not labels or not lhs or not rhs:
+        return 0
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    out = dims(ins.shape)
+    window = re.search(r"window=\{([^}]*)\}", ins.attributes)
+    fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
+
+    def per_spatial(key, default):
+        return [int(v) for v in fields[key].split("x")] if key in fields else default
+
+    spatial = sorted(c for c in lhs_labels if c.isdigit())  # the window lists spatial dimensions 0, 1, ...; labels may not
+    ones = [1] * len(spatial)
+    sizes, strides = per_spatial("size", [rhs[rhs_labels.index(c)] for c in spatial]), per_spatial("stride", ones)
+    lhs_dilate, rhs_dilate = per_spatial("lhs_dilate", ones), per_spatial("rhs_dilate", ones)
+    pads = [[int(p) for p in pair.split("_")] for pair in fields["pad"].split("x")] if "pad" in fields else \
+        [[0, 0]] * len(spatial)
+    pairs = 1
+    for k, c in enumerate(spatial):
+        # window position w of output position o reads x = o * stride - pad_lo + w * rhs_dilate of the input dilated
+        # by lhs_dilate: a real element when 0 <= x <= (length - 1) * lhs_dilate and x is a multiple of lhs_dilate
+        length, dilated = lhs[lhs_labels.index(c)], lhs_dilate[k]
+        base = np.arange(out[out_labels.index(c)], dtype=np.int64) * strides[k] - pads[k][0]
+        x = base[:, None] + np.arange(sizes[k], dtype=np.int64)[None, :] * rhs_dilate[k]
+        pairs *= int(((x >= 0) & (x <= (length - 1) * dilated) & (x % dilated == 0)).sum())
+    return 2 * lhs[lhs_labels.index("b")] * rhs[rhs_labels.index("o")] * rhs[rhs_labels.index("i")] * pairs
 
 
 def _matmul(ins, shapes, kind, contracting, times, cloned):

@@ -1,11 +1,20 @@
-"""Accelerator facts: the one table behind MFU, the deviceless GPU compile (its XLA target config
+"""Accelerator facts: the one table behind MFU, the deviceless GPU and TPU compiles (the GPU's XLA target config
 is generated here), the planner and the step-time timeline.
 
 Sources: vendor datasheets for HBM, bandwidth, peak and host link; XLA's published GPU target
 specs for the H100 and GB200 compiler fields (SMs, L2, clock, memory size). Other GPUs' compiler
 fields are marked `derived` below: taken from the nearest published spec with the vendor's SM
 count and memory size — good enough for memory planning, not for kernel timing.
+TPUs: Google Cloud's system-architecture pages (docs.cloud.google.com/tpu/docs/v5e, v5p, v6e: peak bf16/int8,
+HBM, ICI, DRAM and chips per host, NICs); `hbm_bytes` is what libtpu's compiler allows (its out-of-memory
+message for the deviceless v5e:1x1, v5p:1x1x1 and v6e:1x1 targets: 15.75, 95.74 and 31.25 GiB); the v5e's host
+link was measured on the lent chip (benchmarks/results/tpu_v5e_2026-12-05/).
+
+A target's topology: GPUs, SLICESxHOSTSxGPUS (slices are NVLink domains joined by the network); TPUs, the
+slice's chip grid (v5e/v6e AxB, v5p AxBxC) with `num_slices` slices joined by the data-center network.
 """
+import math
+import re
 import dataclasses
 
 GB = 10**9
@@ -30,6 +39,9 @@ CALIBRATION = {"matmul_efficiency": 0.45, "hbm_efficiency": 0.8, "link_efficienc
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
+    """One accelerator. On TPUs the `nvlink_*` fields are the inter-chip interconnect (ICI: every chip of a slice
+    is in one domain), `network_bandwidth` the data-center network (DCN) share per chip, `gpus_per_node` the chips
+    per host and `host_ram_per_gpu` the host's DRAM per chip."""
     name: str
     hbm_bytes: int  # what XLA sees as device memory
     hbm_bandwidth: float  # bytes/s
@@ -38,10 +50,10 @@ class Accelerator:
     host_link: str
     gpus_per_node: int
     host_ram_per_gpu: int  # bytes of CPU memory per GPU (pinned-host budget)
-    sm_count: int
-    l2_cache_bytes: int
-    clock_ghz: float
-    compute_capability: tuple
+    sm_count: int = 0  # sm_count .. compute_capability: the GPU compiler's fields (none for TPUs)
+    l2_cache_bytes: int = 0
+    clock_ghz: float = 0.0
+    compute_capability: tuple = ()
     derived: bool = False  # compiler fields not from a published XLA spec
     # Collective links, bytes/s per direction per GPU (vendor figures): NVLink within the NVLink domain (a slice of
     # the topology: one 8-GPU node for Hopper/B200, the 72-GPU rack for GB200/GB300 NVL72), the scale-out network
@@ -49,6 +61,9 @@ class Accelerator:
     nvlink_bandwidth: float = 450 * GB  # NVLink 4: 900 GB/s bidirectional
     network_bandwidth: float = 50 * GB
     nvlink_domain: int = 8  # GPUs one NVLink domain joins (the rest talk over the network)
+    platform: str = "gpu"  # "gpu" | "tpu": which deviceless compiler and which XLA flags apply
+    int8_peak_flops: float = None  # dense int8 OP/s (TPUs' low-precision peak)
+    fp8_peak: float = None  # dense FP8 FLOP/s where it is not twice BF16's (TPUs: no faster FP8 path)
 
     def peak_for(self, flops, fp8_flops):
         """The peak FLOP/s that `flops` of work count against when `fp8_flops` of them run in FP8 (mixed_peak)."""
@@ -57,8 +72,8 @@ class Accelerator:
     @property
     def fp8_peak_flops(self):
         """Dense FP8 tensor-core FLOP/s: twice BF16's on every GPU here (H100/H200 1,979 TFLOP/s, B200 4.5
-        PFLOP/s, GB200 5 PFLOP/s in NVIDIA's datasheets)."""
-        return 2 * self.bf16_peak_flops
+        PFLOP/s, GB200 5 PFLOP/s in NVIDIA's datasheets); TPUs' own figure (v5p: 459, the same as BF16's)."""
+        return self.fp8_peak if self.fp8_peak is not None else 2 * self.bf16_peak_flops
 
 
 ACCELERATORS = {
@@ -76,16 +91,61 @@ ACCELERATORS = {
     "gb300": Accelerator("NVIDIA GB300", 300_647_710_720, 8.0e12, 2.5e15, 450 * GB, "NVLink-C2C", 4,
                          480 * GB // 2, 160, 135_528_448, 2.032, (10, 3), derived=True,
                          nvlink_bandwidth=900 * GB, network_bandwidth=100 * GB, nvlink_domain=72),
+    # TPUs: ICI per direction is half the bidirectional per-chip figure; DCN per chip is the host's NICs shared by
+    # its chips (v5e: 2 x 100 Gb/s for 8 chips; v5p: 50 Gb/s per chip; v6e: 4 x 200 Gb/s for 8 chips, derived).
+    # Host link: v5e measured on the lent chip (device -> host inside a jitted step); v5p PCIe Gen4 x16 and v6e
+    # PCIe Gen5 x16 (its page names Gen5) are nominal per-direction rates, not readings.
+    "v5e": Accelerator("TPU v5 lite", 16_911_433_728, 819e9, 197e12, 13 * GB, "PCIe (measured)", 8, 512 * 2**30 // 8,
+                       nvlink_bandwidth=200 * GB, network_bandwidth=25 * GB // 8, nvlink_domain=256,
+                       platform="tpu", int8_peak_flops=393e12, fp8_peak=197e12),
+    "v5p": Accelerator("TPU v5", 102_800_595_927, 2765e9, 459e12, 32 * GB, "PCIe Gen4 x16", 4, 448 * GB // 4,
+                       nvlink_bandwidth=600 * GB, network_bandwidth=50 * GB // 8, nvlink_domain=8960,
+                       platform="tpu", int8_peak_flops=918e12, fp8_peak=459e12, derived=True),
+    "v6e": Accelerator("TPU v6 lite", 33_554_432_000, 1638e9, 918e12, 64 * GB, "PCIe Gen5 x16", 8,
+                       1536 * 2**30 // 8, nvlink_bandwidth=400 * GB, network_bandwidth=100 * GB // 8,
+                       nvlink_domain=256, platform="tpu", int8_peak_flops=1836e12, fp8_peak=918e12, derived=True),
 }
+
+# the names JAX gives TPU chips (device_kind) per table key: "TPU v5 lite" is a v5e, "TPU v5" a v5p
+TPU_KINDS = {"tpuv5lite": "v5e", "tpuv5p": "v5p", "tpuv5": "v5p", "tpuv6lite": "v6e", "tpuv6e": "v6e"}
 
 
 def lookup(device_kind):
-    """The table entry whose key appears in a JAX device_kind ('NVIDIA H200' -> h200), else None."""
+    """The table entry of a JAX device_kind ('NVIDIA H200' -> h200, 'TPU v5 lite' -> v5e), else None."""
     kind = device_kind.lower().replace(" ", "").replace("-", "")
+    if kind.startswith("tpu"):
+        return ACCELERATORS[TPU_KINDS[kind]] if kind in TPU_KINDS else None
     for key in sorted(ACCELERATORS, key=len, reverse=True):  # gh200 before h200
         if key in kind:
             return ACCELERATORS[key]
     return None
+
+
+def topology_problem(accelerator, topology, num_slices=1):
+    """One line saying what is wrong with `topology` (and `num_slices`) for `accelerator`, else None."""
+    if accelerator.platform == "tpu":
+        dims = 3 if accelerator.name == "TPU v5" else 2
+        shape = "x".join("ABC"[:dims])
+        if not re.match(r"^\d+" + r"x\d+" * (dims - 1) + "$", topology) or 0 in map(int, topology.split("x")):
+            return (f"aot.topology={topology!r}: a {accelerator.name} slice is its chip grid {shape} (each >= 1), "
+                    f"e.g. {'2x2x1' if dims == 3 else '2x2'}; more slices through aot.num_slices")
+        if num_slices < 1:
+            return f"aot.num_slices={num_slices}: give the number of slices, at least 1"
+        return None
+    if num_slices != 1:
+        return (f"aot.num_slices={num_slices} is for TPU targets; a GPU topology names its slices itself: "
+                "aot.topology=SLICESxHOSTSxGPUS")
+    if not re.match(r"^\d+x\d+x\d+$", topology):
+        return f"aot.topology={topology!r}: write SLICESxHOSTSxGPUS, e.g. 2x16x4"
+    if not all(int(n) >= 1 for n in topology.split("x")):
+        return f"aot.topology={topology!r}: slices, hosts and GPUs per host must each be at least 1, e.g. 2x16x4"
+    return None
+
+
+def slice_devices(accelerator, topology):
+    """Devices in one slice (one NVLink or ICI domain at most) of `topology`."""
+    dims = [int(d) for d in topology.split("x")] if topology else [1]
+    return math.prod(dims) if accelerator.platform == "tpu" else math.prod(dims[1:])
 
 
 CUDA_RUNTIME, CUDNN = (13, 0), (9, 13)  # what the deviceless compile assumes the GPU machines run

@@ -94,23 +94,75 @@ class Module:
 
     def trip_count(self, loop):
         """A while loop's trip count: the one XLA proved (`known_trip_count`), else from its induction variable
-        (backend_config's `known_induction_variable` with its `init` and `step`) and the bound its condition
-        compares it with (`i < N`); XLA's loop pipelining leaves the latter form (one iteration peeled out of
-        the loop, the rest counted here). None when neither is readable."""
+        (backend_config's `known_induction_variable` with its `init` and `step`, or, where the backend writes no such
+        config (TPU), the variable's initial constant in the loop's input tuple and its constant increment in the
+        body) and the bound its condition compares it with (`i < N`); XLA's loop pipelining leaves the latter form
+        (one iteration peeled out of the loop, the rest counted here). None when neither is readable."""
         known = loop.trip_count()
         if known is not None:
             return known
-        variable = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}', loop.attributes)
-        if not variable:
-            return None
-        index = variable.group(1)
-        steps = re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"\}' % index, loop.attributes)
         condition = loop.called("condition")
-        bound = self._bound(condition, self.root(condition), int(index)) if steps and condition else None
-        init, step = (int(g) for g in steps.groups()) if steps else (0, 0)
-        if bound is None or step <= 0:
+        variable = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}', loop.attributes)
+        if variable:
+            index = int(variable.group(1))
+            steps = re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"\}' % index, loop.attributes)
+            init, step = (int(g) for g in steps.groups()) if steps else (None, None)
+        else:
+            left = self._compared(condition, self.root(condition)) if condition else None
+            if not left or left[0][0] != "element":
+                return None
+            index = left[0][1]
+            init, step = self._initial(loop, index), self._increment(loop.called("body"), index)
+        bound = self._bound(condition, self.root(condition), index) if condition else None
+        if bound is None or init is None or step is None or step <= 0:
             return None
         return max(0, -(-(bound - init) // step))
+
+    def _containing(self, ins):
+        if not hasattr(self, "_home"):
+            self._home = {i.name: c for c, body in self.computations.items() for i in body}
+        return self._home.get(ins.name)
+
+    def _initial(self, loop, index):
+        """The constant the loop's input tuple holds at `index`, or None."""
+        home = self._containing(loop)
+        start = self._find(home, loop.operands[0]) if home and loop.operands else None
+        if start is None or start.opcode != "tuple" or index >= len(start.operands):
+            return None
+        value = self._resolve(home, start.operands[index], None)
+        return value[1] if value and value[0] == "constant" else None
+
+    def _increment(self, body, index):
+        """c of a body whose root tuple holds `tuple[index] + c` at `index` (c a constant), or None."""
+        root = self.root(body)
+        if root is None or root.opcode != "tuple" or index >= len(root.operands):
+            return None
+        add = self._through_copies(body, self._find(body, root.operands[index]))
+        if add is None or add.opcode != "add" or len(add.operands) != 2:
+            return None
+        a, b = (self._resolve(body, name, None) for name in add.operands)
+        for x, y in ((a, b), (b, a)):
+            if x == ("element", index) and y and y[0] == "constant":
+                return y[1]
+        return None
+
+    def _through_copies(self, computation, ins):
+        while ins is not None and ins.opcode in ("copy", "bitcast") and ins.operands:
+            ins = self._find(computation, ins.operands[0])
+        return ins
+
+    def _compared(self, computation, compare, params=None):
+        """The resolved (left, right) operands of a condition's `a < b` rooted at `compare` (through one fusion),
+        or None."""
+        if compare is None:
+            return None
+        if compare.opcode == "fusion":
+            fused = compare.called("calls")
+            return self._compared(fused, self.root(fused),
+                                  params=[self._find(computation, name) for name in compare.operands])
+        if compare.opcode != "compare" or "direction=LT" not in compare.attributes or len(compare.operands) != 2:
+            return None
+        return tuple(self._resolve(computation, name, params) for name in compare.operands)
 
     def gathered_bytes(self, computation, times=1):
         """Bytes of floating-point data all-gathers produce (their results: weights and activations, not the
@@ -128,19 +180,11 @@ class Module:
                 total += max((self.gathered_bytes(b, times) for b in ins.branches()), default=0)
         return total
 
-    def _bound(self, computation, compare, index, params=None):
+    def _bound(self, computation, compare, index):
         """N of a condition `tuple[index] < N` rooted at `compare` (through one fusion), or None."""
-        if compare is None:
-            return None
-        if compare.opcode == "fusion":
-            fused = compare.called("calls")
-            return self._bound(fused, self.root(fused), index,
-                               params=[self._find(computation, name) for name in compare.operands])
-        if compare.opcode != "compare" or "direction=LT" not in compare.attributes or len(compare.operands) != 2:
-            return None
-        left, right = (self._resolve(computation, name, params) for name in compare.operands)
-        if left == ("element", index) and right and right[0] == "constant":
-            return right[1]
+        operands = self._compared(computation, compare)
+        if operands and operands[0] == ("element", index) and operands[1] and operands[1][0] == "constant":
+            return operands[1][1]
         return None
 
     def _find(self, computation, name):
@@ -148,8 +192,8 @@ class Module:
 
     def _resolve(self, computation, name, params):
         """("element", i) for get-tuple-element(parameter, index=i), ("constant", n) for an integer constant,
-        following a fusion's parameters to the instructions that feed them; else None."""
-        ins = self._find(computation, name)
+        following copies and a fusion's parameters to the instructions that feed them; else None."""
+        ins = self._through_copies(computation, self._find(computation, name))
         if ins is None:
             return None
         if ins.opcode == "parameter" and params is not None:

@@ -1,5 +1,13 @@
 """The one formula for what a compiled step holds per device, from XLA's memory analysis; the aot report, the
-planner and the policy sweep read it here."""
+planner and the policy sweep read it here. And the one reading of a compiler's out-of-memory refusal."""
+import re
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's refusals: "... the total memory required for HLO temporaries (18.64G) exceeds available HBM (15.75G)."
+# and "Ran out of memory in memory space hbm. Used 27.60G of 15.75G hbm."
+_OOM = (re.compile(r"required[^(]*\((?P<needed>[\d.]+)(?P<nu>[KMGT]?)\)? exceeds available \w+ "
+                   r"\((?P<available>[\d.]+)(?P<au>[KMGT]?)\)"),
+        re.compile(r"Used (?P<needed>[\d.]+)(?P<nu>[KMGT]?) of (?P<available>[\d.]+)(?P<au>[KMGT]?) hbm"))
 
 
 def compiled_bytes(analysis):
@@ -10,3 +18,18 @@ def compiled_bytes(analysis):
     host = (analysis.host_argument_size_in_bytes + analysis.host_output_size_in_bytes
             - analysis.host_alias_size_in_bytes + analysis.host_temp_size_in_bytes)
     return hbm, host
+
+
+def out_of_memory(error):
+    """{"needed", "available": bytes, "message": its first line} when `error` is a compiler's or runtime's
+    RESOURCE_EXHAUSTED refusal for device memory, else None."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    line = next((ln.strip() for ln in text.splitlines() if "RESOURCE_EXHAUSTED" in ln), text.strip())
+    for pattern in _OOM:
+        m = pattern.search(text)
+        if m:
+            return {"needed": int(float(m["needed"]) * _UNITS[m["nu"]]),
+                    "available": int(float(m["available"]) * _UNITS[m["au"]]), "message": line[:300]}
+    return {"needed": None, "available": None, "message": line[:300]}

@@ -67,7 +67,7 @@ class Rates:
     @classmethod
     def of(cls, accelerator, topology="1x1x1", calibration=None):
         c = {**hardware.CALIBRATION, **(calibration or {})}
-        slice_devices = math.prod(int(d) for d in topology.split("x")[1:]) if topology else 1
+        slice_devices = hardware.slice_devices(accelerator, topology)
         link = c["link_efficiency"]
         return cls(accelerator.name, accelerator.bf16_peak_flops, accelerator.bf16_peak_flops * c["matmul_efficiency"],
                    accelerator.hbm_bandwidth * c["hbm_efficiency"], accelerator.host_link_bandwidth * link,

@@ -29,9 +29,9 @@ def main(argv):
     if args.matmul_size > MAX_MATMUL:
         raise cli.ConfigError(f"--matmul_size {args.matmul_size} is above {MAX_MATMUL} (three N x N matrices in "
                               "memory); give a smaller size")
-    from MaxOffload.platform import prefer_cpu_without_gpu
+    from MaxOffload.platform import pick_platform
 
-    prefer_cpu_without_gpu()
+    pick_platform()
     from MaxOffload.config import load
 
     cfg = load(argv if argv and "=" not in argv[0] else ["configs/quickstart.py", *argv])

@@ -122,9 +122,9 @@ def main(argv):
     argv, options, _ = cli.parse(argv, __doc__, keys=cli.TARGET_KEYS,
                                  options={"--steps": 5, "--variants": ",".join(VARIANTS)})  # before JAX
     from MaxOffload.config import ConfigError, load
-    from MaxOffload.platform import prefer_cpu_without_gpu
+    from MaxOffload.platform import pick_platform
 
-    prefer_cpu_without_gpu()  # this process only reads configs: no CUDA plugin traceback on a machine without a GPU
+    pick_platform()  # this process only reads configs: no CUDA plugin traceback on a machine without a GPU
     cfg = load(argv)
     output_dir, target = cfg.run.output_dir, cfg.aot.target
     deviceless = any(a.startswith(("aot.target=", "--config.aot.target=")) for a in argv[1:])

@@ -30,9 +30,9 @@ def _main(argv):
 
     argv, options, _ = cli.parse(argv, __doc__, options={"--rounds": 5, "--policies": "full,minimal,save_all,auto"})
     rounds, policies = options["--rounds"], options["--policies"]
-    from MaxOffload.platform import prefer_cpu_without_gpu
+    from MaxOffload.platform import pick_platform
 
-    prefer_cpu_without_gpu()
+    pick_platform()
     import jax
 
     from MaxOffload.config import load

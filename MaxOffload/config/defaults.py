@@ -129,10 +129,12 @@ SCHEMA = {
                                         "recomputation to the plan (remat.*), the aot verdict checks the fit"),
     },
     "aot": {
-        "target": ("gb200", "GPU for the deviceless compile (python -m MaxOffload.aot): a key of "
-                            "MaxOffload/hardware.py"),
-        "topology": ("1x1x4", "slices x hosts per slice x GPUs per host for the deviceless compile "
-                              "(2 NVL72 racks of 64 GPUs: 2x16x4)"),
+        "target": ("gb200", "GPU or TPU for the deviceless compile (python -m MaxOffload.aot): a key of "
+                            "MaxOffload/hardware.py (h100 h200 gh200 b200 gb200 gb300 v5e v5p v6e)"),
+        "topology": ("1x1x4", "the deviceless compile's devices: GPUs, slices x hosts per slice x GPUs per host "
+                              "(2 NVL72 racks of 64 GPUs: 2x16x4); TPUs, one slice's chip grid (v5e/v6e 2x2, "
+                              "16x16; v5p 2x2x1, 4x4x4)"),
+        "num_slices": (1, "TPU targets: slices of aot.topology joined by the data-center network (multislice)"),
     },
     "launch": {
         "gpus_per_node": (4, "GPUs per node (GB200 NVL72 compute tray: 4); the launcher starts one task per GPU"),

@@ -218,10 +218,9 @@ def validate(cfg):
     _require(0 < cfg.launch.mem_fraction <= 1, f"launch.mem_fraction must be in (0, 1], got {cfg.launch.mem_fraction}")
     _positive(cfg, "launch.gpus_per_node", "launch.nodes_per_slice", "distributed.initialization_timeout_s",
               "distributed.heartbeat_timeout_s")
-    _require(re.match(r"^\d+x\d+x\d+$", cfg.aot.topology),
-             f"aot.topology={cfg.aot.topology!r}: write SLICESxHOSTSxGPUS, e.g. 2x16x4")
-    _require(all(int(n) >= 1 for n in cfg.aot.topology.split("x")),
-             f"aot.topology={cfg.aot.topology!r}: slices, hosts and GPUs per host must each be at least 1, e.g. 2x16x4")
+    topology_problem = hardware.topology_problem(hardware.ACCELERATORS[cfg.aot.target], cfg.aot.topology,
+                                                 cfg.aot.num_slices)
+    _require(topology_problem is None, topology_problem)
     for kind in ("ici", "dcn"):
         for axis, size in cfg.mesh[kind].items():
             _require(size == -1 or size >= 1, f"mesh.{kind}.{axis}={size}: give a size >= 1, or -1 for the rest")

@@ -57,11 +57,11 @@ def format_report(report):
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
     from MaxOffload import cli
-    from MaxOffload.platform import prefer_cpu_without_gpu
+    from MaxOffload.platform import pick_platform
     from MaxOffload.reports import publish
 
     argv, _, flags = cli.parse(argv, __doc__, flags=("--no_cpu_memory",))
-    prefer_cpu_without_gpu()
+    pick_platform()
     from MaxOffload import from_config
     from MaxOffload.config import ConfigError, load
 

@@ -89,10 +89,10 @@ def format_rows(ref_loss, tolerance, rows):
 def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
     from MaxOffload import cli
-    from MaxOffload.platform import prefer_cpu_without_gpu
+    from MaxOffload.platform import pick_platform
 
     argv, _, flags = cli.parse(argv, __doc__, keys=(), flags=("--all_presets",))
-    prefer_cpu_without_gpu()
+    pick_platform()
     from MaxOffload import from_config
     from MaxOffload.config import load
     from MaxOffload.offload import planner

@@ -79,11 +79,11 @@ CONFIRM_ROUNDS = 3  # confirming compiles before PlanError
 # from a config to a plan
 
 
-def _target_devices(target, topology):
+def _target_devices(cfg, target, topology):
     if target:
         from MaxOffload import deviceless
 
-        return deviceless.compile_only_devices(target, topology)
+        return deviceless.compile_only_devices(target, topology, cfg.aot.num_slices)
     return None
 
 
@@ -95,7 +95,7 @@ def _accelerator(target, devices):
     import jax
 
     dev = (devices or jax.devices())[0]
-    return hardware.lookup(dev.device_kind) if dev.platform == "gpu" else None
+    return hardware.lookup(dev.device_kind) if dev.platform != "cpu" else None
 
 
 def analytic_base(setup, groups, logits_vocab):
@@ -221,7 +221,7 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import DEVICE as DEVICE_KIND, HOST
 
-    devices = _target_devices(target, topology)
+    devices = _target_devices(cfg, target, topology)
     accelerator = _accelerator(target, devices)
     setup = from_config.train_setup(cfg, devices, from_config.template(cfg))  # full remat
     m = machine(accelerator, cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST)) if accelerator \
@@ -305,7 +305,7 @@ def check_prediction(cfg, target, topology):
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import HOST
 
-    devices = _target_devices(target, topology)
+    devices = _target_devices(cfg, target, topology)
     own = from_config.train_setup(cfg, devices)
     setup = own.with_plan(own.plan.uniform("full"))
     m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))

@@ -49,7 +49,7 @@ def process_args(cfg):
                     process_id=d.process_id)
     else:
         args["cluster_detection_method"] = "slurm"
-    on_gpu = not os.environ.get("JAX_PLATFORMS", "").startswith("cpu")
+    on_gpu = not os.environ.get("JAX_PLATFORMS", "").startswith(("cpu", "tpu"))  # platform.pick_platform's choice
     if d.local_device_ids:
         args["local_device_ids"] = list(d.local_device_ids)
     elif not explicit and on_gpu and _tasks_on_this_node() == 1:

@@ -5,9 +5,9 @@ same seed and, for a case that asks ("gradient": true), the first batch's gradie
 import json
 import sys
 
-from MaxOffload.platform import prefer_cpu_without_gpu
+from MaxOffload.platform import pick_platform
 
-prefer_cpu_without_gpu()  # before JAX starts: the CUDA plugin is installed, a GPU is not
+pick_platform()  # before JAX starts: the CUDA plugin is installed, a GPU is not
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

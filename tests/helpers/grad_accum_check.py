@@ -7,9 +7,9 @@ data.source=synthetic or text."""
 import json
 import sys
 
-from MaxOffload.platform import prefer_cpu_without_gpu
+from MaxOffload.platform import pick_platform
 
-prefer_cpu_without_gpu()  # before JAX starts: the CUDA plugin is installed, a GPU is not
+pick_platform()  # before JAX starts: the CUDA plugin is installed, a GPU is not
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
