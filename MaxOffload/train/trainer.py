@@ -365,8 +365,8 @@ class Training:
                        tokens_per_sec_per_device=mean("tokens_per_sec_per_device"),
                        tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
                        mfu=mean("mfu") if peak else None, skipped_steps=self.hooks.health.skipped,
-                       loss_spikes=self.hooks.health.spikes, device_peak_bytes=None,
-                       **device_peak_bytes(summary.get("compiled_memory")))
+                       loss_spikes=self.hooks.health.spikes,
+                       **{"device_peak_bytes": None, **device_peak_bytes(summary.get("compiled_memory"))})
         if self.lead:
             write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         mfu = f"{summary['mfu'] * 100:.1f}%" if peak else \

@@ -5,11 +5,16 @@
 #   2. the host link, both ways (benchmarks/tpu/host_link.py);
 #   3. the variants of benchmarks/tpu/variants.py, one train.py process each (the allocator's peak is per process).
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
-# logs.tar.gz. Budget: one 10-minute call; runs are skipped, not cut, once 540 s have passed.
-#     device run: bash benchmarks/tpu/device_check.sh
+# logs.tar.gz. Budget: one 10-minute call; runs are skipped, not cut, once 540 s have passed. Each train.py process
+# takes ~80 s on the v5e (TPU start-up and shut-down, init, two compiles, 8 steps), so STAGES picks what one call
+# runs (default: all of them, more than one call holds):
+#     device run: STAGES="platform quickstart hostlink" bash benchmarks/tpu/device_check.sh
+#                 STAGES="variants quickstart" bash benchmarks/tpu/device_check.sh
 set -u -o pipefail
 OUT=${OUT:-/tmp/device_check}
 RUNS=/tmp/device_check_runs
+STAGES=${STAGES:-platform quickstart hostlink variants}
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT" "$RUNS"
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -22,7 +27,7 @@ export PYTHONUNBUFFERED=1
 unset JAX_PLATFORMS
 echo "installed in $(elapsed) s"
 python3 -c "import platform; print('glibc', platform.libc_ver())"
-python3 - <<'PY' 2>&1 | tee "$RUNS/platform.log" | grep -v "^W0\|^I0"
+stage platform && python3 - <<'PY' 2>&1 | tee "$RUNS/platform.log" | grep -v "^W0\|^I0"
 import glob, os
 from MaxOffload import platform
 print("tpu_present:", platform.tpu_present(), "| /dev/accel*:", glob.glob("/dev/accel*"), "| /dev/vfio:",
@@ -33,14 +38,19 @@ print("JAX_PLATFORMS ->", os.environ.get("JAX_PLATFORMS"))
 import jax
 print("devices:", jax.devices())
 PY
-if ! grep -q "TPU" "$RUNS/platform.log"; then
+if stage platform && ! grep -q "TPU" "$RUNS/platform.log"; then
     echo "PLATFORM PICK FAILED: the rest runs with JAX_PLATFORMS=tpu"; export JAX_PLATFORMS=tpu
 fi
-python3 train.py configs/quickstart.py run.output_dir="$RUNS/quickstart" > "$RUNS/quickstart.log" 2>&1
-echo "quickstart rc=$? at $(elapsed) s"; grep -E " on [0-9]+ x |^done" "$RUNS/quickstart.log"
-python3 benchmarks/tpu/host_link.py --sizes_mib 256,1024 --json "$OUT/host_link.json" 2>&1 | grep -v "^W0\|^I0"
-echo "host link done at $(elapsed) s"
-for name in $(python3 benchmarks/tpu/variants.py names); do
+quickstart() {
+    python3 train.py configs/quickstart.py run.output_dir="$RUNS/quickstart" > "$RUNS/quickstart.log" 2>&1
+    echo "quickstart rc=$? at $(elapsed) s"; grep -E " on [0-9]+ x |^done" "$RUNS/quickstart.log"
+}
+[[ "$STAGES" == quickstart* || "$STAGES" == *" quickstart hostlink"* || "$STAGES" == "platform quickstart"* ]] && quickstart
+if stage hostlink; then
+    python3 benchmarks/tpu/host_link.py --sizes_mib 256,1024 --json "$OUT/host_link.json" 2>&1 | grep -v "^W0\|^I0"
+    echo "host link done at $(elapsed) s"
+fi
+stage variants && for name in $(python3 benchmarks/tpu/variants.py names); do
     if [ "$(elapsed)" -gt 540 ]; then echo "$name skipped: $(elapsed) s gone"; continue; fi
     mapfile -t args < <(python3 benchmarks/tpu/variants.py args "$name")
     limit=$(( 585 - $(elapsed) )); [ $limit -gt 170 ] && limit=170
@@ -48,6 +58,7 @@ for name in $(python3 benchmarks/tpu/variants.py names); do
         run.output_dir="$RUNS/$name" > "$RUNS/$name.log" 2>&1
     echo "$name rc=$? at $(elapsed) s: $(grep '^done' "$RUNS/$name.log" | cut -c1-160)"
 done
+[[ "$STAGES" == *"variants quickstart"* ]] && { [ "$(elapsed)" -lt 520 ] && quickstart || echo "quickstart skipped"; }
 python3 benchmarks/tpu/collect.py "$RUNS" "$OUT/device_check.json"
 tar -czf "$OUT/logs.tar.gz" -C "$RUNS" $(cd "$RUNS" && ls *.log)
 echo "all done at $(elapsed) s"
