@@ -55,7 +55,7 @@ def build_report(cfg, plan, target, topology):
     module = hlo.parse(compiled.as_text())
     work = audit.of_compiled(module, setup)
     predicted, simulation = timeline.of_compiled(module, setup, timeline.Rates.of(accelerator, topology))
-    usable = int(accelerator.hbm_bytes * cfg.launch.mem_fraction)
+    usable = int(hardware.usable_hbm(accelerator, cfg.launch.mem_fraction))
     host_usable = int(accelerator.host_ram_per_gpu * HOST_USABLE)
     return {
         "target": target, "accelerator": accelerator.name, "topology": describe_topology(cfg, topology),
@@ -143,7 +143,8 @@ def format_report(r):
              f"{gib(r['state_bytes_per_device'] - r['host_state_bytes_per_device'])} on the device) + temporaries "
              f"{gib(r['temp_bytes_per_device'])} + outputs {gib(r['output_bytes_per_device'])} - donated "
              f"{gib(r['alias_bytes_per_device'])} = {gib(r['hbm_bytes_per_device'])}",
-             f"  of {gib(r['hbm_capacity_bytes'])}, {gib(r['hbm_usable_bytes'])} usable at launch.mem_fraction: "
+             f"  of {gib(r['hbm_capacity_bytes'])}, {gib(r['hbm_usable_bytes'])} usable"
+             f"{' at launch.mem_fraction' if r['hbm_usable_bytes'] < r['hbm_capacity_bytes'] else ''}: "
              f"{verdict} (headroom {gib(r['headroom_bytes'])})",
              f"pinned host memory per device: {gib(r['host_bytes_per_device'])} (offloaded activations "
              f"{gib(r['host_temp_bytes_per_device'])}, host-resident state {gib(r['host_state_bytes_per_device'])}) "

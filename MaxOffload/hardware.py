@@ -121,6 +121,12 @@ def lookup(device_kind):
     return None
 
 
+def usable_hbm(accelerator, mem_fraction):
+    """HBM bytes a step may take: on GPUs the share launch.mem_fraction lets JAX preallocate; on TPUs all of what
+    libtpu's compiler allows (`hbm_bytes` is already its figure, and the TPU runtime has no such fraction)."""
+    return accelerator.hbm_bytes * (1.0 if accelerator.platform == "tpu" else mem_fraction)
+
+
 def topology_problem(accelerator, topology, num_slices=1):
     """One line saying what is wrong with `topology` (and `num_slices`) for `accelerator`, else None."""
     if accelerator.platform == "tpu":

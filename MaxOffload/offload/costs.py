@@ -81,10 +81,10 @@ class Machine:
 
 def machine(accelerator, mem_fraction, host_state_bytes=0):
     from MaxOffload.deviceless import HOST_USABLE
-    from MaxOffload.hardware import CALIBRATION
+    from MaxOffload.hardware import CALIBRATION, usable_hbm
 
     hbm = accelerator.hbm_bandwidth * CALIBRATION["hbm_efficiency"]
-    return Machine(accelerator.name, accelerator.hbm_bytes * mem_fraction,
+    return Machine(accelerator.name, usable_hbm(accelerator, mem_fraction),
                    accelerator.bf16_peak_flops * CALIBRATION["matmul_efficiency"], hbm,
                    accelerator.host_link_bandwidth * CALIBRATION["link_efficiency"],
                    accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True,
