@@ -11,6 +11,10 @@ DATA = ["tokenizers>=0.19", "sentencepiece>=0.2"]
 # jax's own `cuda13-local` extra pins jaxlib and the plugin to the jax version pip resolves, so the match
 # is computed at install time on every stack (0.10.2 on Python 3.11, the newest jax on 3.12).
 AOT = ["jax[cuda13-local]"]
+# The deviceless TPU compile (python -m MaxOffload.aot --target v5e ...) and training on a TPU machine: libtpu at the
+# version the installed jax pins for its own `tpu` extra (jax 0.10.2: libtpu 0.0.42; 0.12: 0.0.50), no TPU needed
+# to compile. MaxOffload/platform.py starts JAX on the TPU only where a chip is attached.
+TPU = ["jax[tpu]"]
 # benchmarks/offload_sweep.py and moe/attention benchmarks draw their charts with matplotlib.
 BENCH = ["matplotlib>=3.7"]
 # The reference implementation the checkpoint conversion is tested against (tests/test_convert_hf.py): transformers
@@ -28,9 +32,10 @@ setup(
     python_requires=">=3.11",
     install_requires=requirements,
     # The test extra holds every package a test imports (tests/test_install.py checks it): the tokenizers
-    # (tests prepare corpora with each kind), the CUDA plugin (tests compile for GB200), matplotlib (a test
+    # (tests prepare corpora with each kind), the CUDA plugin (tests compile for GB200), libtpu (tests compile for
+    # v5e), matplotlib (a test
     # runs the sweep benchmark, which draws its chart), the reference implementation (transformers, on Python 3.11)
     # and pytest-xdist (the suite runs on both cores).
-    extras_require={"data": DATA, "aot": AOT, "bench": BENCH,
-                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT, *BENCH, *REFERENCE]},
+    extras_require={"data": DATA, "aot": AOT, "tpu": TPU, "bench": BENCH,
+                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT, *TPU, *BENCH, *REFERENCE]},
 )

@@ -39,6 +39,8 @@ def main(argv):
     cfg = load(argv)
     from MaxOffload import xla
 
+    if os.environ.get("JAX_PLATFORMS", "").startswith("tpu") and not cfg.run.dry_run:
+        xla.require_preset_for(cfg.xla.preset, "tpu", "this machine's TPU")
     flags = xla.apply(cfg)  # before JAX's backend starts
     if os.environ.get("SLURM_PROCID", "0") == "0":
         if flags:

@@ -184,6 +184,10 @@ def main(argv):
 
     cfg = load(argv)
     require_plugin(target=cfg.aot.target)
+    from MaxOffload import hardware
+
+    xla.require_preset_for(cfg.xla.preset, hardware.ACCELERATORS[cfg.aot.target].platform,
+                           f"aot.target={cfg.aot.target}")
     xla.apply(cfg)
     from MaxOffload.offload.planner import plan_for
 

@@ -47,6 +47,20 @@ PRESETS = {
 HOST_COPY_FEATURES = {"pipelined_host_offloading"}
 
 
+def presets_for(platform):
+    """The presets that mean something on `platform` ("gpu" | "tpu" | "cpu"): every feature above is an XLA:GPU flag,
+    so a TPU gets XLA's defaults (baseline) alone; the CPU compiles them all (its tests run the GPU presets)."""
+    return ["baseline"] if platform == "tpu" else list(PRESETS)
+
+
+def require_preset_for(preset, platform, where):
+    """ConfigError (one line) when `preset` holds flags `platform` ignores: never silently ignored."""
+    if preset not in presets_for(platform):
+        flags = " ".join(s[0] for s in (FEATURES[f] for f in PRESETS[preset]))
+        raise ConfigError(f"xla.preset={preset} sets XLA:GPU flags only ({flags}), which a TPU ignores ({where}); "
+                          "use xla.preset=baseline there")
+
+
 def same_without_host_copies(preset, other):
     """`preset` and `other` differ at most in features that only schedule host copies."""
     return [f for f in PRESETS[preset] if f not in HOST_COPY_FEATURES] == \

@@ -73,6 +73,7 @@ class Machine:
     overlap: float = 1.0  # share of a layer's compute the search assumes copies hide under (ASSUMED_OVERLAP)
     save_s_per_byte: float = 0.0  # step time a stored byte costs (written in the forward, read in the backward)
     fp8_peak_flops: float = None  # achievable in FP8 GEMMs (quant.mode); None: peak_flops
+    platform: str = "gpu"  # "gpu" | "tpu" | "cpu": which XLA presets mean something (xla.presets_for)
 
     def rate(self, fp8):
         """Achievable FLOP/s of a GEMM, in FP8 or not."""
@@ -89,7 +90,7 @@ def machine(accelerator, mem_fraction, host_state_bytes=0):
                    accelerator.host_link_bandwidth * CALIBRATION["link_efficiency"],
                    accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True,
                    ASSUMED_OVERLAP[accelerator.host_link.split()[0]], 2 / hbm,
-                   accelerator.fp8_peak_flops * CALIBRATION["matmul_efficiency"])
+                   accelerator.fp8_peak_flops * CALIBRATION["matmul_efficiency"], accelerator.platform)
 
 
 def cpu_machine():
@@ -99,7 +100,7 @@ def cpu_machine():
     except (ValueError, OSError):
         ram = 8 * 2**30
     return Machine("CPU", ram / 2, 5e10 * (os.cpu_count() or 1), 2e10, math.inf, ram / 2, False,
-                   save_s_per_byte=CPU_SAVE_S_PER_BYTE)
+                   save_s_per_byte=CPU_SAVE_S_PER_BYTE, platform="cpu")
 
 
 def contraction(model_config, model_group, name, seq_len):

@@ -202,7 +202,7 @@ def choose(result, setup, m, rates, full_compiled, log):
         reuse = full_compiled if label == "full remat" and base_plan.xla_preset == primary.preset else None
         trial(label, decisions, reasons, primary.preset, reuse)
     best = min((t for t in result.trials if t.fits), key=lambda t: t.step_s)
-    for preset in xla.PRESETS:
+    for preset in xla.presets_for(m.platform):
         if not best.host and any(t.decisions == best.decisions and xla.same_without_host_copies(t.preset, preset)
                                  for t in result.trials):
             continue  # nothing in host memory: a preset that only schedules host copies compiles the same program
@@ -491,7 +491,11 @@ def main(argv):
     from MaxOffload.config import load
 
     cfg = load(argv)
-    require_plugin()
+    require_plugin(target=cfg.aot.target)
+    from MaxOffload import hardware
+
+    xla.require_preset_for(cfg.xla.preset, hardware.ACCELERATORS[cfg.aot.target].platform,
+                           f"aot.target={cfg.aot.target}")
     xla.apply(cfg)
     result = decide(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
     print(format_plan(result))

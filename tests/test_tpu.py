@@ -1,0 +1,150 @@
+"""TPUs: the platform picked where a chip is attached, the TPU rows of the hardware table, XLA:TPU's compiled
+program read by the audit and the timeline, and the deviceless TPU compile (libtpu on this CPU machine)."""
+import json
+import os
+
+import pytest
+
+from conftest import run_cli
+from MaxOffload import audit, hardware, hlo, memory, platform
+
+TINY = ["configs/llama3_1.py:tiny", "train.seq_len=256", "train.per_device_batch_size=8"]
+
+
+def test_the_platform_is_the_chip_the_machine_has(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(platform, "nvidia_gpu_present", lambda: False)
+    monkeypatch.setattr(platform, "_set", lambda value: os.environ.__setitem__("JAX_PLATFORMS", value))
+    for chip, expected in ((True, "tpu,cpu"), (False, "cpu")):
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+        monkeypatch.setattr(platform, "tpu_present", lambda chip=chip: chip)
+        platform.pick_platform()
+        assert os.environ["JAX_PLATFORMS"] == expected
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the user's choice wins, a TPU or not
+    monkeypatch.setattr(platform, "tpu_present", lambda: True)
+    platform.pick_platform()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def test_tpu_rows_of_the_hardware_table():
+    v5e = hardware.lookup("TPU v5 lite")
+    assert v5e is hardware.ACCELERATORS["v5e"] and hardware.lookup("TPU v5") is hardware.ACCELERATORS["v5p"]
+    assert hardware.lookup("TPU v6 lite") is hardware.ACCELERATORS["v6e"] and hardware.lookup("TPU v9") is None
+    assert v5e.hbm_bytes == int(15.75 * 2**30) and v5e.bf16_peak_flops == 197e12 and v5e.platform == "tpu"
+    assert hardware.usable_hbm(v5e, 0.9) == v5e.hbm_bytes  # no preallocation share on TPUs
+    assert hardware.slice_devices(v5e, "4x4") == 16 and hardware.slice_devices(hardware.ACCELERATORS["gb200"],
+                                                                                  "2x16x4") == 64
+    assert hardware.topology_problem(v5e, "2x2") is None
+    assert "AxB" in hardware.topology_problem(v5e, "1x1x4")
+    assert "AxBxC" in hardware.topology_problem(hardware.ACCELERATORS["v5p"], "2x2")
+    assert "TPU targets" in hardware.topology_problem(hardware.ACCELERATORS["gb200"], "1x1x4", num_slices=2)
+
+
+# three of XLA:TPU's dots-as-convolutions from a compiled Llama step (jax 0.10.2, libtpu 0.0.42): a projection
+# (ble,ehd->blhd: the window runs over the heads, padded so each output sees one input), attention scores over a
+# dilated input (blkgd,bskd->bkgls) and a weight gradient (spatial labels out of order)
+CONVOLUTIONS = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[8,256,64,1], b: bf16[64,4,16,1], c: bf16[8,256,2,16,1], d: bf16[8,256,2,2,16], e: bf16[8,256,2,16]) -> bf16[] {
+  %a = bf16[8,256,64,1]{1,2,3,0} parameter(0)
+  %b = bf16[64,4,16,1]{0,2,1,3} parameter(1)
+  %c = bf16[8,256,2,16,1]{1,3,4,2,0} parameter(2)
+  %d = bf16[8,256,2,2,16]{1,4,3,2,0} parameter(3)
+  %e = bf16[8,256,2,16]{1,3,2,0} parameter(4)
+  %projection = bf16[8,256,4,16]{1,3,2,0} convolution(%a, %b), window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f
+  %scores = f32[8,2,256,256,2]{3,2,4,1,0} convolution(%c, %d), window={size=8x2x2 stride=7x1x1 pad=0_0x0_0x1_1 lhs_dilate=8x2x1 rhs_reversal=0x0x1}, dim_labels=0b1f2_0o12i->01bf2
+  ROOT %gradient = bf16[64,2,16,1]{0,2,1,3} convolution(%a, %e), window={size=2x8 pad=1_1x0_0 rhs_reversal=1x0}, dim_labels=1fb0_1i0o->b0f1
+}
+"""
+
+
+def test_the_audit_counts_xla_tpu_dots_written_as_convolutions():
+    module = hlo.parse(CONVOLUTIONS)
+    flops = {ins.name: audit.convolution_flops(ins, module.shapes(module.entry)) for ins in module.computations[
+        module.entry] if ins.opcode == "convolution"}
+    assert flops == {"projection": 2 * 8 * 256 * 64 * 4 * 16,  # b l e -> b l h d, contracting e
+                     "scores": 2 * 8 * 2 * 2 * 256 * 256 * 16,  # b k g l s, contracting d
+                     "gradient": 2 * 64 * 2 * 16 * 8 * 256}  # e h d, contracting b l
+    assert audit.count(module).total == sum(flops.values())  # the audit and the timeline count them
+
+
+LOOP = """HloModule m, is_scheduled=true
+
+%condition (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %copy = s32[] copy(%i)
+  %one = s32[] constant(2)
+  %next = s32[] add(%copy, %one)
+  %x = f32[4] get-tuple-element(%t), index=1
+  ROOT %out = (s32[], f32[4]) tuple(%next, %x)
+}
+
+ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
+  %x = f32[4] parameter(0)
+  %start = s32[] constant(1)
+  %init = (s32[], f32[4]) tuple(%start, %x)
+  ROOT %loop = (s32[], f32[4]) while(%init), condition=%condition, body=%body
+}
+"""
+
+
+def test_a_loop_without_backend_config_has_its_trip_count_from_its_variable():
+    module = hlo.parse(LOOP)
+    loop = module.computations[module.entry][-1]
+    assert loop.opcode == "while" and module.trip_count(loop) == 3  # i = 1, 3, 5 (< 7)
+
+
+def test_out_of_memory_refusals_read_as_needed_and_available_bytes():
+    refusal = memory.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                                                "required for HLO temporaries (18.64G) exceeds available HBM (15.75G)."))
+    assert refusal["needed"] == int(18.64 * 2**30) and refusal["available"] == int(15.75 * 2**30)
+    used = memory.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory "
+                                             "in memory space hbm. Used 27.60G of 15.75G hbm."))
+    assert used["needed"] == int(27.6 * 2**30)
+    assert memory.out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes")) is None
+
+
+def test_deviceless_v5e_slices_fit_and_predict_their_step(tmp_path):
+    """One slice of 2x2 v5e and two of them (multislice): the verdict, the compiled work read from XLA:TPU's
+    convolutions, a predicted step on the v5e's rates."""
+    for slices, devices in ((1, 4), (2, 8)):
+        out = tmp_path / f"slices{slices}"
+        result = run_cli(["-m", "MaxOffload.aot", *TINY, "--target", "v5e", "--topology", "2x2",
+                          f"aot.num_slices={slices}", f"run.output_dir={out}"])
+        assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+        report = json.loads((out / "aot_report.json").read_text())
+        assert report["accelerator"] == "TPU v5 lite" and report["devices"] == devices and report["fits"]
+        assert report["hbm_usable_bytes"] == hardware.ACCELERATORS["v5e"].hbm_bytes
+        work = report["compiled_work"]
+        assert work["compiled_matmul_flops"] >= work["model_flops"] > 0  # full remat: the model's work and more
+        assert not work["unknown_trip_counts"]
+        assert report["timeline"]["step_s"] > 0 and "predicted step time on TPU v5 lite" in result.stdout
+    assert "2 x 2x2" in result.stdout
+
+
+def test_a_step_libtpu_refuses_does_not_fit_in_one_verdict(tmp_path):
+    result = run_cli(["-m", "MaxOffload.aot", *TINY, "train.per_device_batch_size=32768", "--target", "v5e",
+                      "--topology", "1x1", f"run.output_dir={tmp_path}"])
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    assert "verdict: DOES NOT FIT" in result.stdout and "needs" in result.stdout and "Traceback" not in result.stderr
+    report = json.loads((tmp_path / "aot_report.json").read_text())
+    assert report["hbm_bytes_per_device"] > report["hbm_available_bytes"] == int(15.75 * 2**30)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--target", "v5e"], "AxB"),  # the default topology is a GPU one
+    (["--target", "v5e", "--topology", "2x2", "xla.preset=lhs"], "xla.preset=lhs sets XLA:GPU flags only"),
+    (["--target", "gb200", "aot.num_slices=2"], "for TPU targets"),
+])
+def test_tpu_target_mistakes_are_one_line(args, says, tmp_path):
+    result = run_cli(["-m", "MaxOffload.aot", *TINY, *args, f"run.output_dir={tmp_path}"])
+    assert result.returncode == 2 and says in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
