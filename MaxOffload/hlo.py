@@ -109,7 +109,7 @@ class Module:
             init, step = (int(g) for g in steps.groups()) if steps else (None, None)
         else:
             left = self._compared(condition, self.root(condition)) if condition else None
-            if not left or left[0][0] != "element":
+            if not left or not left[0] or left[0][0] != "element":
                 return None
             index = left[0][1]
             init, step = self._initial(loop, index), self._increment(loop.called("body"), index)

@@ -1,5 +1,8 @@
 """Gathers the device check's runs into one JSON: per run its summary.json (step time, MFU, memory, losses) and the
-lines of its log that say where it ran and what it compiled. python benchmarks/tpu/collect.py RUNS_DIR OUT.json"""
+lines of its log that say where it ran and what it compiled.
+
+    python benchmarks/tpu/collect.py RUNS_DIR OUT.json
+"""
 import json
 import os
 import sys
@@ -29,5 +32,16 @@ def main(runs, out):
     print(f"wrote {out}: {len(results)} runs")
 
 
+def cli_main(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    if len(argv) != 2 or argv[0].startswith("-") or not os.path.isdir(argv[0]):
+        print(f"error: give RUNS_DIR (a directory) and OUT.json, got {' '.join(argv) or 'nothing'}", file=sys.stderr)
+        return 2
+    main(*argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    sys.exit(cli_main(sys.argv[1:]))

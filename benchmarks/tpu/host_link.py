@@ -5,17 +5,19 @@ between the memory kinds (the runtime's own transfer), for each size; median of 
     python benchmarks/tpu/host_link.py [--sizes_mib 256,1024] [--json PATH]
 """
 import json
+import os
 import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def timed(fn, x, repeats=5):
+    import jax
+
     jax.block_until_ready(fn(x))
     times = []
     for _ in range(repeats):
@@ -26,6 +28,10 @@ def timed(fn, x, repeats=5):
 
 
 def measure(size_mib):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     device, host = (NamedSharding(mesh, P(), memory_kind=kind) for kind in ("device", "pinned_host"))
     x = jax.device_put(jnp.ones((size_mib * 2**20 // 4,), jnp.float32), device)
@@ -43,13 +49,29 @@ def measure(size_mib):
 
 
 def main(argv):
-    sizes = [256, 1024]
-    out = None
-    for i, a in enumerate(argv):
-        if a == "--sizes_mib":
-            sizes = [int(s) for s in argv[i + 1].split(",")]
-        if a == "--json":
-            out = argv[i + 1]
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
+    from MaxOffload.errors import ConfigError
+
+    rest, options, _ = cli.parse(argv, __doc__, keys=(), options={"--sizes_mib": "256,1024", "--json": ""})
+    if rest:
+        raise ConfigError(f"unexpected argument {rest[0]!r}; see --help")
+    try:
+        sizes = [int(s) for s in options["--sizes_mib"].split(",")]
+    except ValueError:
+        raise ConfigError(f"--sizes_mib={options['--sizes_mib']}: give sizes in MiB, e.g. 256,1024") from None
+    out = options["--json"] or None
+    from MaxOffload.platform import pick_platform
+
+    pick_platform()
+    import jax
+
     device = jax.devices()[0]
     results = {"device_kind": device.device_kind, "platform": device.platform, "sizes": {}}
     for size in sizes:

@@ -8,17 +8,38 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import variants  # noqa: E402  (benchmarks/tpu/variants.py, beside this file)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+VARIANTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "variants.py")  # asked as device_check.sh asks
+
+
+def variants(*args):
+    return subprocess.run([sys.executable, VARIANTS, *args], capture_output=True, text=True,
+                          check=True).stdout.split()
 
 
 def main(argv):
-    out, rest = argv[0], argv[1:]
-    target = rest[rest.index("--target") + 1] if "--target" in rest else "v5e"
-    topology = rest[rest.index("--topology") + 1] if "--topology" in rest else "1x1"
-    names = [a for a in rest if a in variants.VARIANTS] or list(variants.VARIANTS)
+    """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
+    from MaxOffload.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv):
+    from MaxOffload import cli
+    from MaxOffload.errors import ConfigError
+
+    rest, options, _ = cli.parse(argv, __doc__, keys=(), options={"--target": "v5e", "--topology": "1x1"})
+    if not rest:
+        raise ConfigError("give OUT_DIR (and variants to run, default all); see --help")
+    out, rest = rest[0], rest[1:]
+    known = variants("names")
+    unknown = [a for a in rest if a not in known]
+    if unknown:
+        raise ConfigError(f"unknown variant {unknown[0]!r}: one of {', '.join(known)}")
+    target, topology = options["--target"], options["--topology"]
+    names = rest or known
     for name in names:
-        cmd = [sys.executable, "-m", "MaxOffload.aot", variants.CONFIG, *variants.overrides(name), "--target", target,
+        cmd = [sys.executable, "-m", "MaxOffload.aot", "configs/llama3_1.py:8b", *variants("args", name), "--target", target,
                "--topology", topology, "--output_dir", os.path.join(out, name)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("verdict", "predicted", "HBM", "error"))]

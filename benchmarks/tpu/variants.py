@@ -30,13 +30,17 @@ def overrides(name):
 
 
 def main(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
     if argv == ["names"]:
         print("\n".join(VARIANTS))
         return 0
     if len(argv) == 2 and argv[0] == "args" and argv[1] in VARIANTS:
         print("\n".join(overrides(argv[1])))
         return 0
-    print(__doc__.strip().splitlines()[-2:], file=sys.stderr)
+    print(f"error: give `names` or `args NAME` (NAME one of {', '.join(VARIANTS)}), got {' '.join(argv) or 'nothing'}",
+          file=sys.stderr)
     return 2
 
 
