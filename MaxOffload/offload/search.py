@@ -111,7 +111,8 @@ def least_hbm(candidates, base_hbm, penalty=0.0):
 
 def plan_error(m, hbm, host, what="even the least-HBM plan (every tensor offloaded)"):
     return PlanError(f"no plan fits {m.name}: {what} needs {gib(hbm)} of HBM per device "
-                     f"({gib(m.hbm_usable)} usable at launch.mem_fraction) and {gib(host)} of host memory "
+                     f"({gib(m.hbm_usable)} usable{'' if m.platform == 'tpu' else ' at launch.mem_fraction'}) and "
+                     f"{gib(host)} of host memory "
                      f"({gib(m.host_budget)} available); use more devices (mesh), a smaller "
                      "train.per_device_batch_size or train.seq_len, or offload.params / offload.optimizer_state")
 
