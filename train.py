@@ -55,11 +55,11 @@ def main(argv):
         # a dry run proves the launch: plan for the aot target, confirmed by its deviceless compile
         from MaxOffload import deviceless
 
-        deviceless.require_plugin("remat.policy=auto with run.dry_run=true plans for aot.target")
+        deviceless.require_plugin("remat.policy=auto with run.dry_run=true plans for aot.target", cfg.aot.target)
         print(f"remat.policy=auto: planning for aot.target={cfg.aot.target} aot.topology={cfg.aot.topology} "
               "(dry run: the launch's GPUs, compiled deviceless)", flush=True)
         plan = plan_for(cfg, cfg.aot.target, cfg.aot.topology)
-        devices = deviceless.compile_only_devices(cfg.aot.target, cfg.aot.topology)
+        devices = deviceless.compile_only_devices(cfg.aot.target, cfg.aot.topology, cfg.aot.num_slices)
     else:
         plan = plan_for(cfg)  # the OffloadPlan; remat.policy=auto: planned once per config, cached
     from MaxOffload.train.trainer import run

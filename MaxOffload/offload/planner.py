@@ -79,11 +79,11 @@ CONFIRM_ROUNDS = 3  # confirming compiles before PlanError
 # from a config to a plan
 
 
-def _target_devices(cfg, target, topology):
+def _target_devices(target, topology, num_slices=1):
     if target:
         from MaxOffload import deviceless
 
-        return deviceless.compile_only_devices(target, topology, cfg.aot.num_slices)
+        return deviceless.compile_only_devices(target, topology, num_slices)
     return None
 
 
@@ -221,7 +221,7 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import DEVICE as DEVICE_KIND, HOST
 
-    devices = _target_devices(cfg, target, topology)
+    devices = _target_devices(target, topology, cfg.aot.num_slices)
     accelerator = _accelerator(target, devices)
     setup = from_config.train_setup(cfg, devices, from_config.template(cfg))  # full remat
     m = machine(accelerator, cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST)) if accelerator \
@@ -305,7 +305,7 @@ def check_prediction(cfg, target, topology):
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import HOST
 
-    devices = _target_devices(cfg, target, topology)
+    devices = _target_devices(target, topology, cfg.aot.num_slices)
     own = from_config.train_setup(cfg, devices)
     setup = own.with_plan(own.plan.uniform("full"))
     m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
@@ -421,6 +421,8 @@ def cache_key(cfg, target, topology, device_count=None):
                     global_batch=cfg.train.global_batch_size,
                     seq_len=cfg.train.seq_len,
                     mem_fraction=cfg.launch.mem_fraction, target=target, topology=topology,
+                    slices=cfg.aot.num_slices if target else None,
+                    kind=None if target else jax.devices()[0].device_kind,  # a CPU plan is no TPU's
                     devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,
                     constants=[hardware.CALIBRATION, ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
