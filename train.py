@@ -39,8 +39,10 @@ def main(argv):
     cfg = load(argv)
     from MaxOffload import xla
 
-    if os.environ.get("JAX_PLATFORMS", "").startswith("tpu") and not cfg.run.dry_run:
-        xla.require_preset_for(cfg.xla.preset, "tpu", "this machine's TPU")
+    if not cfg.run.dry_run:  # the preset must mean something on the platform pick_platform chose
+        from MaxOffload.platform import chosen_platform
+
+        xla.require_preset_for(cfg.xla.preset, chosen_platform(), f"this machine ({chosen_platform()})")
     flags = xla.apply(cfg)  # before JAX's backend starts
     if os.environ.get("SLURM_PROCID", "0") == "0":
         if flags:

@@ -66,8 +66,13 @@ def tpu_devices(target, topology, num_slices=1):
     """Compile-only TPU chips: `num_slices` slices of the chip grid `topology`, hosts of up to 2x2 chips (how
     libtpu lays out v5e, v5p and v6e hosts of multi-host slices; a host's size changes no compiled program of one
     process per host). libtpu says on stderr that it found no TPU on this machine; that is expected."""
+    import os
+
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock file (/tmp/libtpu_lockfile) so that one process drives the chips; compiling
+    # for compile-only chips drives none, and two such compiles (the planner's and a test's, two tools) may run at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     dims = [int(d) for d in topology.split("x")] + [1] * (3 - len(topology.split("x")))
     per_host = (min(dims[0], 2), min(dims[1], 2), 1)
     return topologies.get_topology_desc(platform="tpu", topology_name=f"{target}:{topology}",

@@ -35,6 +35,16 @@ def mixed_peak(bf16_peak, fp8_peak, flops, fp8_flops):
 
 
 CALIBRATION = {"matmul_efficiency": 0.45, "hbm_efficiency": 0.8, "link_efficiency": 0.45}
+# TPUs: the same three shares fitted to six step times measured on the lent v5e (benchmarks/results/tpu_v5e_2026-12-05:
+# the fit and its leave-one-out errors, benchmarks/predict_vs_measured.py --target v5e). XLA:TPU's kernels reach a
+# larger share of the MXU peak than a GPU step's of the tensor cores (the v5e ran at 54-59% MFU), and the step's
+# offload copies move faster than the table's host-link entry.
+TPU_CALIBRATION = {"matmul_efficiency": 0.45, "hbm_efficiency": 0.8, "link_efficiency": 0.45}
+
+
+def calibration_for(accelerator):
+    """The achievable shares of `accelerator`'s peaks (CALIBRATION for GPUs, TPU_CALIBRATION for TPUs)."""
+    return TPU_CALIBRATION if accelerator.platform == "tpu" else CALIBRATION
 
 
 @dataclasses.dataclass(frozen=True)

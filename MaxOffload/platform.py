@@ -47,6 +47,17 @@ def pick_platform():
     _set("tpu,cpu" if tpu_present() else "cpu")
 
 
+def chosen_platform():
+    """"tpu" | "gpu" | "cpu": the platform JAX starts on after pick_platform (from JAX_PLATFORMS; unset on a machine
+    with an NVIDIA GPU)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms.startswith("tpu"):
+        return "tpu"
+    if platforms.startswith(("cuda", "gpu", "rocm")) or (not platforms and nvidia_gpu_present()):
+        return "gpu"
+    return "cpu"
+
+
 def use_cpu_runtime():
     """The deviceless tools compile for accelerators they never run on: the runtime is always the CPU."""
     _set("cpu")

@@ -66,7 +66,7 @@ class Rates:
 
     @classmethod
     def of(cls, accelerator, topology="1x1x1", calibration=None):
-        c = {**hardware.CALIBRATION, **(calibration or {})}
+        c = {**hardware.calibration_for(accelerator), **(calibration or {})}
         slice_devices = hardware.slice_devices(accelerator, topology)
         link = c["link_efficiency"]
         return cls(accelerator.name, accelerator.bf16_peak_flops, accelerator.bf16_peak_flops * c["matmul_efficiency"],

@@ -12,6 +12,11 @@ between releases (collective pipelining moved from --xla_gpu_enable_pipelined_al
 --xla_gpu_pipeline_all_gather=on). So each preset names features; each feature lists its spellings,
 newest first, and the first one the installed jaxlib accepts is used. Acceptance is tested in a
 subprocess (the only exact test) and cached per jaxlib version.
+
+TPUs take libtpu's flags, the same way (compile options; LIBTPU_INIT_ARGS is libtpu's start-up equivalent). XLA:TPU
+accepts an XLA:GPU flag and ignores it, so the GPU presets are refused on TPUs in one line (and the TPU presets
+elsewhere); a libtpu flag is tested by compiling a trivial program for a compile-only v5e with it (libtpu answers
+"No such compile option" for one it does not know), cached per jaxlib and libtpu version.
 """
 import os
 import re
@@ -31,34 +36,56 @@ FEATURES = {
     "pipeline_all_reduce": ["--xla_gpu_pipeline_all_reduce=on", "--xla_gpu_enable_pipelined_all_reduce=true"],
     "while_loop_double_buffering": ["--xla_gpu_enable_while_loop_double_buffering=true"],
     "pipelined_host_offloading": ["--xla_gpu_enable_pipelined_host_offloading=true"],
+    # libtpu's: the collective flags MaxText's TPU recipes set (fuse async collectives with compute, overlap them
+    # on the TensorCore, async all-gathers) and its host-offload test's flag (passes that know host memory)
+    "tpu_async_collective_fusion": ["--xla_tpu_enable_async_collective_fusion=true"],
+    "tpu_fuse_all_gather": ["--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"],
+    "tpu_fusion_multiple_steps": ["--xla_tpu_enable_async_collective_fusion_multiple_steps=true"],
+    "tpu_overlap_compute_collective": ["--xla_tpu_overlap_compute_collective_tc=true"],
+    "async_all_gather": ["--xla_enable_async_all_gather=true"],
+    "tpu_host_aware_passes": ["--xla_tpu_enable_host_aware_passes=true"],
 }
 
 _PIPELINED = ["latency_hiding_scheduler", "pipeline_all_gather", "pipeline_reduce_scatter", "pipeline_all_reduce",
               "while_loop_double_buffering"]
+_TPU_OVERLAP = ["tpu_async_collective_fusion", "tpu_fuse_all_gather", "tpu_fusion_multiple_steps",
+                "tpu_overlap_compute_collective", "async_all_gather"]
 PRESETS = {
     "baseline": [],
     "lhs": ["latency_hiding_scheduler"],  # overlap async collectives and host<->device copies with compute
     "lhs_pipelined": _PIPELINED,  # + move collectives of the next layer into this one's loop iteration
     "lhs_pipelined_offload": _PIPELINED + ["pipelined_host_offloading"],  # + the same for offload copies
+    "tpu_overlap": _TPU_OVERLAP,  # TPUs: collectives fused with and overlapped under compute
+    "tpu_overlap_offload": _TPU_OVERLAP + ["tpu_host_aware_passes"],  # + host-memory-aware passes for offload
 }
 
 # the features that only schedule copies to and from host memory: a program with nothing in host memory compiles
 # the same with or without them
-HOST_COPY_FEATURES = {"pipelined_host_offloading"}
+HOST_COPY_FEATURES = {"pipelined_host_offloading", "tpu_host_aware_passes"}
+
+
+def platform_of(preset):
+    """"tpu" for a preset of libtpu flags, "gpu" for one of XLA:GPU flags, None for baseline (every platform)."""
+    features = PRESETS[preset]
+    if not features:
+        return None
+    return "tpu" if all(FEATURES[f][0].startswith(("--xla_tpu_", "--xla_enable_")) for f in features) else "gpu"
 
 
 def presets_for(platform):
-    """The presets that mean something on `platform` ("gpu" | "tpu" | "cpu"): every feature above is an XLA:GPU flag,
-    so a TPU gets XLA's defaults (baseline) alone; the CPU compiles them all (its tests run the GPU presets)."""
-    return ["baseline"] if platform == "tpu" else list(PRESETS)
+    """The presets that mean something on `platform` ("gpu" | "tpu" | "cpu"): baseline and the platform's own (the
+    CPU compiles the GPU ones: its tests run them; it knows no libtpu flag)."""
+    own = "tpu" if platform == "tpu" else "gpu"
+    return [p for p in PRESETS if platform_of(p) in (None, own)]
 
 
 def require_preset_for(preset, platform, where):
-    """ConfigError (one line) when `preset` holds flags `platform` ignores: never silently ignored."""
+    """ConfigError (one line) when `preset` holds flags `platform` ignores or refuses: never silently ignored."""
     if preset not in presets_for(platform):
-        flags = " ".join(s[0] for s in (FEATURES[f] for f in PRESETS[preset]))
-        raise ConfigError(f"xla.preset={preset} sets XLA:GPU flags only ({flags}), which a TPU ignores ({where}); "
-                          "use xla.preset=baseline there")
+        kind = "XLA:TPU (libtpu)" if platform_of(preset) == "tpu" else "XLA:GPU"
+        fits = ", ".join(p for p in presets_for(platform))
+        raise ConfigError(f"xla.preset={preset} sets {kind} flags only, which {where} does not take; use one of "
+                          f"{fits}")
 
 
 def same_without_host_copies(preset, other):
@@ -71,10 +98,16 @@ _UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (\S+)")
 
 
 def _cache_path():
+    import importlib.metadata
+
     import jaxlib
 
+    try:  # libtpu's flags are libtpu's: a new libtpu is probed afresh
+        libtpu = "-libtpu-" + importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = ""
     root = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-    return os.path.join(root, "maxoffload", f"xla_flags-jaxlib-{jaxlib.__version__}.json")
+    return os.path.join(root, "maxoffload", f"xla_flags-jaxlib-{jaxlib.__version__}{libtpu}.json")
 
 
 def _load_cache():
@@ -105,10 +138,56 @@ def rejected_flag(flags):
     return match.group(1) if match else (flags[0] if flags else "?")
 
 
+_TPU_PROBE = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+import jax, numpy as np
+from jax.experimental import topologies
+devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
+                                       chips_per_host_bounds=(1, 1, 1), num_slices=1).devices
+sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), jax.sharding.PartitionSpec())
+options = dict(f[2:].split("=", 1) for f in sys.argv[1:])
+jax.jit(lambda a: a * 2).lower(jax.ShapeDtypeStruct((8, 128), np.float32, sharding=sharding)).compile(
+    compiler_options=options)
+"""
+_NO_OPTION = re.compile(r"No such compile option: '(\w+)'")
+
+
+def rejected_tpu_flag(flags):
+    """The first libtpu flag of `flags` the installed libtpu rejects, or None: a compile for a compile-only v5e with
+    them as compile options (libtpu answers "No such compile option" for one it does not know), in a subprocess."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    probe = subprocess.run([sys.executable, "-c", _TPU_PROBE, *flags], env=env, capture_output=True, text=True,
+                           timeout=300)
+    if probe.returncode == 0:
+        return None
+    match = _NO_OPTION.search(probe.stderr)
+    if match:
+        return next((f for f in flags if f[2:].split("=")[0] == match.group(1)), flags[0])
+    if "libtpu" in probe.stderr and "No module named" in probe.stderr:
+        raise ConfigError("the TPU presets' flags are checked against libtpu, which is not installed: "
+                          "pip install -e '.[tpu]'")
+    return flags[0] if flags else "?"
+
+
+def _is_tpu_flag(flag):
+    return flag.startswith(("--xla_tpu_", "--xla_enable_"))
+
+
 def accepted(flags):
-    """{flag: bool} — whether the installed jaxlib knows each flag (cached per jaxlib version)."""
+    """{flag: bool} — whether the installed jaxlib (libtpu, for a TPU flag) knows each flag (cached per version)."""
     cache = _load_cache()
     todo = [f for f in dict.fromkeys(flags) if f not in cache]
+    tpu = [f for f in todo if _is_tpu_flag(f)]
+    todo = [f for f in todo if not _is_tpu_flag(f)]
+    while tpu:
+        bad = rejected_tpu_flag(tpu)
+        if bad is None:
+            cache.update({f: True for f in tpu})
+            break
+        cache[bad] = False
+        tpu = [f for f in tpu if f != bad]
     while todo:
         bad = rejected_flag(todo)
         if bad is None:

@@ -11,6 +11,9 @@ and its compiled schedule is simulated (MaxOffload/timeline.py) with the calibra
 rankings. Then the three constants fitted to these points (least squares of the log ratio, a pattern search from
 the code's values) and leave-one-out: each point predicted by the constants fitted on the others.
 Writes DIR/predict_vs_measured.md and .json. Five deviceless compiles: about 4 minutes on 2 CPU cores.
+TPUs: --target v5e --measured benchmarks/results/tpu_v5e_2026-12-05/measured_variants.json (the device check's
+JSON, benchmarks/tpu/device_check.sh): each measured variant of benchmarks/tpu/variants.py compiled deviceless for
+one v5e, its calibration fitted from TPU_CALIBRATION.
 --save_programs DIR also writes each variant's compiled program (DIR/<variant>.hlo.gz): tests/test_timeline.py
 holds the H200 programs of jax 0.12 so that it checks the simulation and calibration against the measurement
 without compiling.
@@ -38,6 +41,16 @@ AS_RUN = {"remat": (["remat.policy=full"], "baseline"),
 def measured_rows(path):
     from MaxOffload.errors import ConfigError
 
+    if path.endswith(".json"):  # the TPU device check's runs: {variant: {"summary": {...}}}
+        from MaxOffload.jsonfile import read_json
+
+        runs = read_json(path, "give a device check's JSON (benchmarks/tpu/collect.py)", dict)
+        known = {v: r["summary"]["mean_step_time_s"] for v, r in runs.items()
+                 if isinstance(r, dict) and isinstance(r.get("summary"), dict) and "mean_step_time_s" in r["summary"]
+                 and v != "quickstart"}
+        if not known:
+            raise ConfigError(f"--measured {path}: no run of it has a summary with mean_step_time_s")
+        return known
     try:
         with open(path) as f:
             rows = {r["variant"]: float(r["step_s"]) for r in csv.DictReader(f) if r.get("step_s")}
@@ -49,13 +62,28 @@ def measured_rows(path):
     return known
 
 
+def tpu_variant(name):
+    """The overrides of a TPU device-check variant, as benchmarks/tpu/device_check.sh asks for them."""
+    import subprocess
+
+    script = os.path.join(ROOT, "benchmarks", "tpu", "variants.py")
+    return ["configs/llama3_1.py:8b", *subprocess.run([sys.executable, script, "args", name], capture_output=True,
+                                                      text=True, check=True).stdout.split()]
+
+
 def compile_variant(name, target, plan_auto=False):
     """The optimized HLO text of one variant's step, compiled deviceless for `target`; `plan_auto`: the auto row
     as the planner plans it now (else as it was measured in 2026-11)."""
     from benchmarks.gpu.offload_check import MODEL, OFFLOAD
-    from MaxOffload import deviceless, from_config
+    from MaxOffload import deviceless, from_config, hardware
     from MaxOffload.config import load
     from MaxOffload.offload import planner
+
+    if hardware.ACCELERATORS[target].platform == "tpu":
+        cfg = load(tpu_variant(name))
+        devices = deviceless.compile_only_devices(target, "1x1")
+        setup = from_config.train_setup(cfg, devices, planner.plan_for(cfg, target, "1x1", log=lambda *a: None))
+        return setup.compile_train_step().as_text()
 
     overrides, preset = (["remat.policy=auto"], "lhs_pipelined_offload") if plan_auto and name == "auto" else \
         AS_RUN[name]
@@ -69,7 +97,7 @@ def compile_variant(name, target, plan_auto=False):
 def predict(modules, accelerator, calibration):
     from MaxOffload import timeline
 
-    rates = timeline.Rates.of(accelerator, "1x1x1", calibration)
+    rates = timeline.Rates.of(accelerator, "1x1" if accelerator.platform == "tpu" else "1x1x1", calibration)
     return {name: timeline.simulate(m, rates, work=work)[0]["step_s"] for name, (m, work) in modules.items()}
 
 
@@ -120,7 +148,7 @@ def main(argv):
 
     require_choice("--target", options["--target"], tuple(hardware.ACCELERATORS))
     measured = measured_rows(options["--measured"])
-    require_plugin()
+    require_plugin(target=options["--target"])
     accelerator = hardware.ACCELERATORS[options["--target"]]
     modules = {}
     for name in measured:
@@ -133,7 +161,7 @@ def main(argv):
             with gzip.open(os.path.join(options["--save_programs"], f"{name}.hlo.gz"), "wt") as f:
                 f.write(text)
         modules[name] = (hlo.parse(text), {})
-    calibration = dict(hardware.CALIBRATION)
+    calibration = dict(hardware.calibration_for(accelerator))
     predicted = predict(modules, accelerator, calibration)
     fitted = fit(modules, measured, accelerator, calibration)
     refit = predict(modules, accelerator, fitted)

@@ -115,10 +115,10 @@ def test_out_of_memory_refusals_read_as_needed_and_available_bytes():
 def test_deviceless_v5e_slices_fit_and_predict_their_step(tmp_path):
     """One slice of 2x2 v5e and two of them (multislice): the verdict, the compiled work read from XLA:TPU's
     convolutions, a predicted step on the v5e's rates."""
-    for slices, devices in ((1, 4), (2, 8)):
+    for slices, devices, preset in ((1, 4, "baseline"), (2, 8, "tpu_overlap_offload")):
         out = tmp_path / f"slices{slices}"
         result = run_cli(["-m", "MaxOffload.aot", *TINY, "--target", "v5e", "--topology", "2x2",
-                          f"aot.num_slices={slices}", f"run.output_dir={out}"])
+                          f"aot.num_slices={slices}", f"xla.preset={preset}", f"run.output_dir={out}"])
         assert result.returncode == 0, result.stdout + result.stderr[-2000:]
         report = json.loads((out / "aot_report.json").read_text())
         assert report["accelerator"] == "TPU v5 lite" and report["devices"] == devices and report["fits"]
@@ -127,6 +127,7 @@ def test_deviceless_v5e_slices_fit_and_predict_their_step(tmp_path):
         assert work["compiled_matmul_flops"] >= work["model_flops"] > 0  # full remat: the model's work and more
         assert not work["unknown_trip_counts"]
         assert report["timeline"]["step_s"] > 0 and "predicted step time on TPU v5 lite" in result.stdout
+        assert report["xla_preset"] == preset
     assert "2 x 2x2" in result.stdout
 
 
@@ -148,3 +149,15 @@ def test_tpu_target_mistakes_are_one_line(args, says, tmp_path):
     result = run_cli(["-m", "MaxOffload.aot", *TINY, *args, f"run.output_dir={tmp_path}"])
     assert result.returncode == 2 and says in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_tpu_preset_flags_are_checked_against_the_installed_libtpu(tmp_path, monkeypatch):
+    """A libtpu flag is accepted only if libtpu compiles with it (a compile-only v5e); XLA:TPU takes an XLA:GPU
+    flag and ignores it, so the platforms' presets are kept apart."""
+    from MaxOffload import xla
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    known = xla.accepted(["--xla_tpu_enable_host_aware_passes=true", "--xla_tpu_enable_no_such_pass=true"])
+    assert known == {"--xla_tpu_enable_host_aware_passes=true": True, "--xla_tpu_enable_no_such_pass=true": False}
+    assert xla.presets_for("tpu") == ["baseline", "tpu_overlap", "tpu_overlap_offload"]
+    assert "tpu_overlap" not in xla.presets_for("gpu") and "lhs" not in xla.presets_for("tpu")

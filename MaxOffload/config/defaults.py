@@ -119,9 +119,11 @@ SCHEMA = {
                             "offloads; any quant.mode"),
     },
     "xla": {
-        "preset": ("baseline", "XLA scheduling preset for GPU runs: baseline | lhs (latency hiding scheduler) | "
+        "preset": ("baseline", "XLA scheduling preset: baseline | GPUs: lhs (latency hiding scheduler) | "
                                "lhs_pipelined (+ collective pipelining, loop double buffering) | "
-                               "lhs_pipelined_offload (+ pipelined host offloading); see MaxOffload/xla.py"),
+                               "lhs_pipelined_offload (+ pipelined host offloading) | TPUs: tpu_overlap (async "
+                               "collectives fused with and overlapped under compute) | tpu_overlap_offload (+ host-"
+                               "aware passes); see MaxOffload/xla.py"),
         "extra_flags": ([], "more XLA_FLAGS, e.g. [--xla_gpu_enable_command_buffer=]; checked against jaxlib"),
         "hlo_rematerialization": (True, "XLA's own rematerialization on GPUs: when its estimate of the step's peak "
                                         "memory is over its limit (80% of HBM less the outputs), it recomputes "

@@ -14,7 +14,7 @@ from MaxOffload.models import components
 from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 
-# Speed: the achievable shares of the target's peaks are the timeline's calibration (hardware.CALIBRATION), so
+# Speed: the achievable shares of the target's peaks are the timeline's calibration (hardware.calibration_for), so
 # the search and the compiled timelines that make the final choice (offload/planner.py) price work alike.
 # How much of a layer's compute the analytic search assumes copies hide under, per host link: a prior for the
 # search, not a measurement. The planner confirms its candidates by their compiled timelines, which simulate the
@@ -82,15 +82,16 @@ class Machine:
 
 def machine(accelerator, mem_fraction, host_state_bytes=0):
     from MaxOffload.deviceless import HOST_USABLE
-    from MaxOffload.hardware import CALIBRATION, usable_hbm
+    from MaxOffload.hardware import calibration_for, usable_hbm
 
-    hbm = accelerator.hbm_bandwidth * CALIBRATION["hbm_efficiency"]
+    shares = calibration_for(accelerator)
+    hbm = accelerator.hbm_bandwidth * shares["hbm_efficiency"]
     return Machine(accelerator.name, usable_hbm(accelerator, mem_fraction),
-                   accelerator.bf16_peak_flops * CALIBRATION["matmul_efficiency"], hbm,
-                   accelerator.host_link_bandwidth * CALIBRATION["link_efficiency"],
+                   accelerator.bf16_peak_flops * shares["matmul_efficiency"], hbm,
+                   accelerator.host_link_bandwidth * shares["link_efficiency"],
                    accelerator.host_ram_per_gpu * HOST_USABLE - host_state_bytes, True,
                    ASSUMED_OVERLAP[accelerator.host_link.split()[0]], 2 / hbm,
-                   accelerator.fp8_peak_flops * CALIBRATION["matmul_efficiency"], accelerator.platform)
+                   accelerator.fp8_peak_flops * shares["matmul_efficiency"], accelerator.platform)
 
 
 def cpu_machine():

@@ -424,7 +424,8 @@ def cache_key(cfg, target, topology, device_count=None):
                     slices=cfg.aot.num_slices if target else None,
                     kind=None if target else jax.devices()[0].device_kind,  # a CPU plan is no TPU's
                     devices=device_count, jax=jax.__version__, planner=PLANNER_VERSION,
-                    constants=[hardware.CALIBRATION, ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, HBM_MARGIN])
+                    constants=[hardware.CALIBRATION, hardware.TPU_CALIBRATION, ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS,
+                               HBM_MARGIN])
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
