@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # One call on the lent TPU v5e (the device tool): installs the project's dependencies from the machine's own package
-# index, then, with no JAX_PLATFORMS set (the platform is the project's choice), runs
-#   1. which platform MaxOffload picks, and python train.py configs/quickstart.py (real text, 300 steps);
-#   2. the host link, both ways (benchmarks/tpu/host_link.py);
-#   3. the variants of benchmarks/tpu/variants.py, one train.py process each (the allocator's peak is per process).
+# index, then, with no JAX_PLATFORMS set (the platform is the project's choice), runs the stages of $STAGES in order:
+#   platform    which platform MaxOffload picks, and why
+#   quickstart  python train.py configs/quickstart.py (real text, 300 steps)
+#   hostlink    the host link, both ways (benchmarks/tpu/host_link.py)
+#   variants    the variants of benchmarks/tpu/variants.py, one train.py process each (the allocator's peak is per
+#               process)
+#   profile     an xprof trace of the offload variant (profile.tar.gz), for the overlap report's TPU reading
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
-# logs.tar.gz. Budget: one 10-minute call; runs are skipped, not cut, once 540 s have passed. Each train.py process
-# takes ~80 s on the v5e (TPU start-up and shut-down, init, two compiles, 8 steps), so STAGES picks what one call
-# runs (default: all of them, more than one call holds):
-#     device run: STAGES="platform quickstart hostlink" bash benchmarks/tpu/device_check.sh
-#                 STAGES="variants quickstart" bash benchmarks/tpu/device_check.sh
+# logs.tar.gz, profile.tar.gz. Each train.py process takes ~80 s on the v5e (TPU start-up and shut-down, init, two
+# compiles, 8 steps), so all stages need two 10-minute calls; a run is skipped, not cut, once 540 s have passed:
+#     device run: STAGES="platform quickstart hostlink profile" bash benchmarks/tpu/device_check.sh
+#                 STAGES="variants" bash benchmarks/tpu/device_check.sh
 set -u -o pipefail
 OUT=${OUT:-/tmp/device_check}
 RUNS=/tmp/device_check_runs
-STAGES=${STAGES:-platform quickstart hostlink variants}
-stage() { [[ " $STAGES " == *" $1 "* ]]; }
+STAGES=${STAGES:-platform quickstart hostlink variants profile}
 mkdir -p "$OUT" "$RUNS"
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -26,8 +27,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD
 export PYTHONUNBUFFERED=1
 unset JAX_PLATFORMS
 echo "installed in $(elapsed) s"
-python3 -c "import platform; print('glibc', platform.libc_ver())"
-stage platform && python3 - <<'PY' 2>&1 | tee "$RUNS/platform.log" | grep -v "^W0\|^I0"
+
+platform() {
+    python3 - <<'PY' 2>&1 | tee "$RUNS/platform.log" | grep -v "^W0\|^I0"
 import glob, os
 from MaxOffload import platform
 print("tpu_present:", platform.tpu_present(), "| /dev/accel*:", glob.glob("/dev/accel*"), "| /dev/vfio:",
@@ -38,27 +40,46 @@ print("JAX_PLATFORMS ->", os.environ.get("JAX_PLATFORMS"))
 import jax
 print("devices:", jax.devices())
 PY
-if stage platform && ! grep -q "TPU" "$RUNS/platform.log"; then
-    echo "PLATFORM PICK FAILED: the rest runs with JAX_PLATFORMS=tpu"; export JAX_PLATFORMS=tpu
-fi
+    if ! grep -q "TPU" "$RUNS/platform.log"; then
+        echo "PLATFORM PICK FAILED: the rest runs with JAX_PLATFORMS=tpu"; export JAX_PLATFORMS=tpu
+    fi
+}
+
 quickstart() {
     python3 train.py configs/quickstart.py run.output_dir="$RUNS/quickstart" > "$RUNS/quickstart.log" 2>&1
     echo "quickstart rc=$? at $(elapsed) s"; grep -E " on [0-9]+ x |^done" "$RUNS/quickstart.log"
 }
-[[ "$STAGES" == quickstart* || "$STAGES" == *" quickstart hostlink"* || "$STAGES" == "platform quickstart"* ]] && quickstart
-if stage hostlink; then
+
+hostlink() {
     python3 benchmarks/tpu/host_link.py --sizes_mib 256,1024 --json "$OUT/host_link.json" 2>&1 | grep -v "^W0\|^I0"
     echo "host link done at $(elapsed) s"
-fi
-stage variants && for name in $(python3 benchmarks/tpu/variants.py names); do
-    if [ "$(elapsed)" -gt 540 ]; then echo "$name skipped: $(elapsed) s gone"; continue; fi
-    mapfile -t args < <(python3 benchmarks/tpu/variants.py args "$name")
-    limit=$(( 585 - $(elapsed) )); [ $limit -gt 170 ] && limit=170
-    timeout "$limit" python3 train.py configs/llama3_1.py:8b "${args[@]}" \
-        run.output_dir="$RUNS/$name" > "$RUNS/$name.log" 2>&1
-    echo "$name rc=$? at $(elapsed) s: $(grep '^done' "$RUNS/$name.log" | cut -c1-160)"
+}
+
+variants() {
+    for name in $(python3 benchmarks/tpu/variants.py names); do
+        if [ "$(elapsed)" -gt 540 ]; then echo "$name skipped: $(elapsed) s gone"; continue; fi
+        mapfile -t args < <(python3 benchmarks/tpu/variants.py args "$name")
+        limit=$(( 585 - $(elapsed) )); [ $limit -gt 170 ] && limit=170
+        timeout "$limit" python3 train.py configs/llama3_1.py:8b "${args[@]}" run.output_dir="$RUNS/$name" \
+            > "$RUNS/$name.log" 2>&1
+        echo "$name rc=$? at $(elapsed) s: $(grep '^done' "$RUNS/$name.log" | cut -c1-160)"
+    done
+}
+
+profile() {
+    mapfile -t args < <(python3 benchmarks/tpu/variants.py args l4b4_offload)
+    timeout 170 python3 train.py configs/llama3_1.py:8b "${args[@]}" profile.mode=xprof profile.start_step=4 \
+        profile.num_steps=2 run.output_dir="$RUNS/profile" > "$RUNS/profile.log" 2>&1
+    echo "profile rc=$? at $(elapsed) s"; tail -3 "$RUNS/profile.log"
+    tar -czf "$OUT/profile.tar.gz" -C "$RUNS/profile" profile
+}
+
+for stage in $STAGES; do
+    case $stage in
+        platform|quickstart|hostlink|variants|profile) $stage ;;
+        *) echo "unknown stage $stage: platform quickstart hostlink variants profile"; exit 2 ;;
+    esac
 done
-[[ "$STAGES" == *"variants quickstart"* ]] && { [ "$(elapsed)" -lt 520 ] && quickstart || echo "quickstart skipped"; }
 python3 benchmarks/tpu/collect.py "$RUNS" "$OUT/device_check.json"
 tar -czf "$OUT/logs.tar.gz" -C "$RUNS" $(cd "$RUNS" && ls *.log)
 echo "all done at $(elapsed) s"
