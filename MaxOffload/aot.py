@@ -27,6 +27,7 @@ import time
 
 from MaxOffload import audit, hlo, timeline
 from MaxOffload.cli import tool
+from MaxOffload import memory
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.reports import gib
 from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing, require_plugin  # noqa: F401  (re-exported)
@@ -46,7 +47,7 @@ def build_report(cfg, plan, target, topology):
     setup = from_config.train_setup(cfg, devices, plan)
     groups, problems, _ = activation_groups(cfg, setup)
     started = time.perf_counter()
-    compiled = compile_or_refusal(setup)
+    compiled = memory.compile_or_refusal(setup)
     compile_time = time.perf_counter() - started
     if isinstance(compiled, dict):  # the TPU compiler refuses a step that does not fit
         return refused_report(cfg, setup, accelerator, topology, compiled, compile_time), None
@@ -85,20 +86,6 @@ def describe_topology(cfg, topology):
     return topology if cfg.aot.num_slices == 1 else f"{cfg.aot.num_slices} x {topology}"
 
 
-def compile_or_refusal(setup):
-    """The compiled step, or {"needed": bytes, "available": bytes, "message": line} when the compiler refuses it
-    for want of memory (libtpu does: it checks the fit at compile; XLA's GPU compiler leaves it to the caller)."""
-    from MaxOffload import memory
-
-    try:
-        return setup.compile_train_step()
-    except Exception as e:  # jax's runtime error type moved between versions: read the status it carries
-        refusal = memory.out_of_memory(e)
-        if refusal is None:
-            raise
-        return refusal
-
-
 def refused_report(cfg, setup, accelerator, topology, refusal, compile_time):
     """The report of a step the target's compiler refused for memory: DOES NOT FIT, with the needed and available
     bytes it named."""
@@ -109,7 +96,8 @@ def refused_report(cfg, setup, accelerator, topology, refusal, compile_time):
             "state_bytes_per_device": setup.state_bytes_per_device(), "compile_time_s": compile_time,
             "hbm_capacity_bytes": accelerator.hbm_bytes, "hbm_bytes_per_device": refusal["needed"],
             "hbm_available_bytes": refusal["available"], "hbm_fits": False, "fits": False,
-            "refused": refusal["message"], "xla_preset": cfg.xla.preset, "problems": [], "warnings": []}
+            "refused": refusal["message"], "refused_of": refusal["of"], "xla_preset": cfg.xla.preset,
+            "problems": [], "warnings": []}
 
 
 def weight_gathers(module, micro_batches):
@@ -133,8 +121,9 @@ def format_report(r):
         return "\n".join([
             f"{r['params_total'] / 1e9:,.4g}B parameters on {r['devices']} x {r['accelerator']} (topology "
             f"{r['topology']}, mesh {r['mesh']}): the compiler refused the step after {r['compile_time_s']:.1f} s",
-            (f"HBM per device: needs {gib(r['hbm_bytes_per_device'])} of {gib(r['hbm_available_bytes'])} "
-             if r["hbm_bytes_per_device"] else "HBM per device: ") + f"({r['refused']})",
+            (f"HBM per device: needs {gib(r['hbm_bytes_per_device'])} ({r['refused_of']}) of "
+             f"{gib(r['hbm_available_bytes'])} " if r["hbm_bytes_per_device"] else "HBM per device: ") +
+            f"({r['refused']})",
             "verdict: DOES NOT FIT (keep fewer activations: a smaller remat.policy, offload some, or more devices)"])
     verdict = "FITS" if r["hbm_fits"] else "DOES NOT FIT"
     lines = [f"{r['params_total'] / 1e9:,.4g}B parameters on {r['devices']} x {r['accelerator']} "

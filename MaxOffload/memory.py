@@ -21,8 +21,9 @@ def compiled_bytes(analysis):
 
 
 def out_of_memory(error):
-    """{"needed", "available": bytes, "message": its first line} when `error` is a compiler's or runtime's
-    RESOURCE_EXHAUSTED refusal for device memory, else None."""
+    """{"needed", "available": bytes, "message": its first line, "of": what `needed` counts ("temporaries": the
+    program's temporaries alone; "total")} when `error` is a compiler's or runtime's RESOURCE_EXHAUSTED refusal for
+    device memory, else None."""
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text:
         return None
@@ -31,5 +32,29 @@ def out_of_memory(error):
         m = pattern.search(text)
         if m:
             return {"needed": int(float(m["needed"]) * _UNITS[m["nu"]]),
-                    "available": int(float(m["available"]) * _UNITS[m["au"]]), "message": line[:300]}
-    return {"needed": None, "available": None, "message": line[:300]}
+                    "available": int(float(m["available"]) * _UNITS[m["au"]]), "message": line[:300],
+                    "of": "temporaries" if "temporaries" in m.group(0) else "total"}
+    return {"needed": None, "available": None, "message": line[:300], "of": None}
+
+
+def compile_or_refusal(setup):
+    """A TrainSetup's compiled step, or out_of_memory's dict when the compiler refuses it for want of memory (libtpu
+    does: it checks the fit at compile; XLA's GPU compiler leaves it to the caller)."""
+    try:
+        return setup.compile_train_step()
+    except Exception as e:  # jax's runtime error type moved between versions: read the status it carries
+        refusal = out_of_memory(e)
+        if refusal is None:
+            raise
+        return refusal
+
+
+def refused_hbm(refusal, reference):
+    """HBM per device a refused program needed: the refusal's total, or, where libtpu counted only temporaries,
+    those + the arguments and outputs of `reference` (a compiled program of the same step: the same state)."""
+    if refusal["needed"] is None:
+        return None
+    if refusal["of"] != "temporaries":
+        return refusal["needed"]
+    m = reference.memory_analysis()
+    return compiled_bytes(m)[0] - m.temp_size_in_bytes + refusal["needed"]

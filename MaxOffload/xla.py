@@ -235,11 +235,19 @@ QUANT_FLAGS = {"bf16": (), "fp8": _FP8_GEMMS, "mxfp8": _FP8_GEMMS}  # mxfp8's ca
 NO_HLO_REMAT_SLOP_FACTOR = 10000
 
 
-def compiler_options(preset, quant_mode="bf16", hlo_rematerialization=True):
-    """{option: value} for jax's `.compile(compiler_options=...)`: the preset's features (baseline: none, XLA's
-    defaults), what `quant_mode` needs (QUANT_FLAGS), and XLA's own rematerialization off when asked."""
-    options = {} if hlo_rematerialization else {"xla_gpu_memory_limit_slop_factor": NO_HLO_REMAT_SLOP_FACTOR}
-    for flag in [*preset_flags(preset), *QUANT_FLAGS[quant_mode]]:
+# XLA:TPU takes no slop factor; its rematerialization pass is turned off by name (a DebugOptions flag libtpu
+# accepts as a compile option): a program over HBM is then refused at compile with the bytes it needs.
+NO_HLO_REMAT_TPU = {"xla_disable_hlo_passes": "rematerialization"}
+
+
+def compiler_options(preset, quant_mode="bf16", hlo_rematerialization=True, platform="gpu"):
+    """{option: value} for jax's `.compile(compiler_options=...)` on devices of `platform`: the preset's features
+    (baseline: none, XLA's defaults), what `quant_mode` needs (QUANT_FLAGS: XLA:GPU's GEMM rewrites; none on TPUs),
+    and XLA's own rematerialization off when asked."""
+    tpu = platform == "tpu"
+    options = {} if hlo_rematerialization else dict(NO_HLO_REMAT_TPU) if tpu else \
+        {"xla_gpu_memory_limit_slop_factor": NO_HLO_REMAT_SLOP_FACTOR}
+    for flag in [*preset_flags(preset), *(() if tpu else QUANT_FLAGS[quant_mode])]:
         name, _, value = flag[2:].partition("=")
         options[name] = {"true": True, "false": False}.get(value, _ENUMS.get(value, value))
     return options

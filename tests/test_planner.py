@@ -112,6 +112,17 @@ def test_recompute_working_set_offloads_to_fit_and_an_impossible_budget_says_wha
         search_lib.search(cands, costs, _machine(hbm=500, host=10), base)  # nothing can go to the host
 
 
+def test_kept_tensors_that_cost_more_than_their_bytes_never_push_the_base_above_full_remat():
+    """XLA:TPU keeps a saved tensor at 1.4-1.9x its bytes (the v5e, benchmarks/results/tpu_v5e_2026-12-05): base =
+    keep-everything - the kept bytes would then exceed full remat's HBM. The base is capped at full remat's and the
+    kept tensors priced at what keeping them took."""
+    cands = [_cand("a", 100, 1e-3), _cand("b", 100, 3e-3)]  # 2,000 bytes kept over 10 layers
+    cands, base = costs_lib.with_recompute_hbm(cands, full_hbm=1_400, saved_hbm=5_400)
+    assert base == 1_400 and all(c.kept_scale == 2.0 and c.remat_bytes == 0 for c in cands)
+    everything = {(c.group, c.name): DEVICE for c in cands}
+    assert base + costs_lib.usage(cands, everything)[0] == 5_400  # the keep-everything compile, reproduced
+
+
 @pytest.mark.stack("py311")
 def test_impossible_budget_is_one_line_exit_2(tmp_path):
     result = run_cli(["-m", "MaxOffload.offload.planner", *TINY, "remat.policy=auto", "launch.mem_fraction=1e-6",

@@ -46,6 +46,7 @@ class Candidate:
     pinned: str = ""  # remat.tensors.NAME given by the user
     remat_bytes: float = 0.0  # per layer: its share of the backward's recompute working set (see with_recompute_hbm)
     save_s: float = 0.0  # per layer: what storing it costs the step (bytes x Machine.save_s_per_byte)
+    kept_scale: float = 1.0  # HBM a kept tensor takes per byte of it (see with_recompute_hbm)
 
     @property
     def density(self):
@@ -171,7 +172,7 @@ def usage(candidates, decisions):
             if c.name in names.ALWAYS_KEPT:  # the carry is in the full-remat base already
                 hbm -= c.bytes * c.layers
         elif d == DEVICE and c.name not in names.ALWAYS_KEPT:
-            hbm += c.bytes * c.layers
+            hbm += c.bytes * c.layers * c.kept_scale
     return hbm, host, copy
 
 
@@ -183,7 +184,14 @@ def with_recompute_hbm(candidates, full_hbm, saved_hbm):
     the 235 MiB working set is what the additive model missed (+22%). base = saved_hbm - the kept bytes;
     working set = full_hbm - base, shared among the recomputable tensors by their recompute FLOPs x layers."""
     everything = {(c.group, c.name): DEVICE for c in candidates}
-    base = saved_hbm - usage(candidates, everything)[0]
+    kept = usage(candidates, everything)[0]
+    base = saved_hbm - kept
+    if base > full_hbm and kept > 0:
+        # keeping the tensors took more HBM than their bytes: the base cannot exceed what full remat holds, so the
+        # difference is the kept tensors' (XLA:TPU, Llama-8B width on a v5e: 1.4-1.9x their bytes, its layouts and
+        # the copies its fusions keep beside them; benchmarks/results/tpu_v5e_2026-12-05)
+        candidates = [dataclasses.replace(c, kept_scale=(saved_hbm - full_hbm) / kept) for c in candidates]
+        base = full_hbm
     working = max(0.0, full_hbm - base)
     weights = {id(c): c.recompute_flops * c.layers for c in candidates if REMAT in c.options}
     total = sum(weights.values())

@@ -59,7 +59,7 @@ import math
 import os
 import sys
 
-from MaxOffload import audit, hardware, hlo, timeline, xla
+from MaxOffload import audit, hardware, hlo, memory, timeline, xla
 from MaxOffload.cli import tool
 from MaxOffload.errors import PlanError
 from MaxOffload.jsonfile import Unreadable, every, read_json
@@ -117,6 +117,18 @@ def saved_plan(base, candidates):
     """`base` (an OffloadPlan) with every candidate kept in HBM (the second anchor of with_recompute_hbm)."""
     everything = {(c.group, c.name): DEVICE for c in candidates}
     return to_offload_plan(base, Choice(everything, {}, candidates, {}, None, 0.0, ""))
+
+
+def saved_compiled_hbm(setup, candidates, full_compiled):
+    """HBM per device of the step with every candidate kept: compiled, or, where the compiler refuses it (libtpu,
+    over HBM), what its refusal says it needed."""
+    compiled = memory.compile_or_refusal(setup.with_plan(saved_plan(setup.plan, candidates)))
+    if isinstance(compiled, dict):
+        needed = memory.refused_hbm(compiled, full_compiled)
+        if needed is None:
+            raise PlanError(f"the keep-everything compile was refused without a size: {compiled['message']}")
+        return needed
+    return compiled_bytes(compiled.memory_analysis())[0]
 
 
 def compiled_memory(setup):
@@ -245,7 +257,7 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
             "and the recompute working set) ...")
         full_compiled = setup.compile_train_step()
         full_hbm, _ = compiled_bytes(full_compiled.memory_analysis())
-        saved_hbm, _ = compiled_memory(setup.with_plan(saved_plan(setup.plan, candidates)))
+        saved_hbm = saved_compiled_hbm(setup, candidates, full_compiled)
         candidates, base = with_recompute_hbm(candidates, full_hbm, saved_hbm)
         source = ("deviceless compiles" if target else "compiles") + \
             f" of full remat ({gib(full_hbm)}) and keep-everything ({gib(saved_hbm)})"
@@ -263,8 +275,13 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
     for round_ in range(CONFIRM_ROUNDS):
         variant = setup.with_plan(to_offload_plan(setup.plan, result))
         log(f"planner: confirming the plan with a compile (round {round_ + 1}) ...")
-        confirmed = measure(Trial(label, result.xla_preset, dict(result.decisions), dict(result.reasons)), variant, m,
-                            rates, variant.compile_train_step())
+        confirmed = Trial(label, result.xla_preset, dict(result.decisions), dict(result.reasons))
+        compiled = memory.compile_or_refusal(variant)
+        if isinstance(compiled, dict):  # libtpu refuses a program over HBM: not a fit, by the bytes it needed
+            confirmed.hbm, confirmed.host = memory.refused_hbm(compiled, full_compiled) or math.inf, 0.0
+            confirmed.error = compiled["message"]
+        else:
+            confirmed = measure(confirmed, variant, m, rates, compiled)
         result.compiled_hbm, result.compiled_host, result.compiled_work = confirmed.hbm, confirmed.host, confirmed.work
         if confirmed.fits:
             result.trials, result.timeline = [confirmed], confirmed.timeline

@@ -93,7 +93,8 @@ class TrainSetup:
         self.numerics = numerics or matmul.Numerics(model_config.compute_dtype)
         self.layout = ParallelLayout.of(mesh, rules, exchange, context_attention, load_balance)  # to the model, once
         # every compile of the step gets the preset and what the weight GEMMs' mode needs
-        self.compiler_options = xla.compiler_options(plan.xla_preset, self.numerics.mode, plan.hlo_rematerialization)
+        self.compiler_options = xla.compiler_options(plan.xla_preset, self.numerics.mode, plan.hlo_rematerialization,
+                                                     kernels.platform(mesh.devices.flat[0]))
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
         self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
         abstract_model = nnx.eval_shape(self._model)
