@@ -69,7 +69,7 @@ def platform_of(preset):
     features = PRESETS[preset]
     if not features:
         return None
-    return "tpu" if all(FEATURES[f][0].startswith(("--xla_tpu_", "--xla_enable_")) for f in features) else "gpu"
+    return "tpu" if all(_is_tpu_flag(FEATURES[f][0]) for f in features) else "gpu"
 
 
 def presets_for(platform):
@@ -171,8 +171,12 @@ def rejected_tpu_flag(flags):
     return flags[0] if flags else "?"
 
 
+# libtpu's flags without the xla_tpu_ prefix that the TPU presets use
+_TPU_UNPREFIXED = {"--xla_enable_async_all_gather"}
+
+
 def _is_tpu_flag(flag):
-    return flag.startswith(("--xla_tpu_", "--xla_enable_"))
+    return flag.startswith("--xla_tpu_") or flag.split("=")[0] in _TPU_UNPREFIXED
 
 
 def accepted(flags):
