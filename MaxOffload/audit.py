@@ -241,6 +241,9 @@ class Counter:
             return found
         if ins.opcode == "convolution":  # XLA:TPU writes a matmul as a convolution (dim_labels, a window)
             return [Matmul(convolution_flops(ins, shapes) * times, ins.op_name, "dot", here, times)]
+        if ins.opcode == "custom-call" and ins.target() == "tpu_custom_call" and ins.name.startswith("ragged-dot"):
+            flops = tpu_ragged_dot_flops(ins)  # 0 for its metadata kernel (ragged-dot-metadata)
+            return [Matmul(flops * times, ins.op_name, "ragged_dot", here, times)] if flops else []
         if ins.opcode == "custom-call":
             target = ins.target() or "?"
             if target.startswith(GEMM_TARGETS):
@@ -272,6 +275,15 @@ class Counter:
             if ins.called(key):
                 found += self.computation(ins.called(key), times, stack, here, rematted)
         return found
+
+
+def tpu_ragged_dot_flops(ins):
+    """2 x rows x K x N of XLA:TPU's native ragged_dot, a Mosaic `tpu_custom_call` named ragged-dot-*: its operand
+    layouts list the group metadata, then lhs [rows, K] and rhs [groups, K, N]; each row meets one group's matrix."""
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, \w+=", ins.attributes)
+    operands = [dims(t) for t in re.findall(r"\w+\[[\d,]*\]", layouts.group(1))] if layouts else []
+    lhs = next((d for d in operands if len(d) == 2 and d[0] == (dims(ins.shape) or [0])[0]), None)
+    return 2 * math.prod(dims(ins.shape)) * lhs[1] if lhs else 0
 
 
 def convolution_flops(ins, shapes):

@@ -68,6 +68,25 @@ def test_the_audit_counts_xla_tpu_dots_written_as_convolutions():
     assert audit.count(module).total == sum(flops.values())  # the audit and the timeline count them
 
 
+RAGGED = """HloModule m, is_scheduled=true
+
+ENTRY %main (g: s32[4], x: bf16[16384,128], w: bf16[4,128,256]) -> bf16[16384,256] {
+  %g = s32[4]{0} parameter(0)
+  %x = bf16[16384,128]{1,0} parameter(1)
+  %w = bf16[4,128,256]{2,1,0} parameter(2)
+  ROOT %ragged-dot-none.8 = bf16[16384,256]{1,0:T(8,128)(2,1)} custom-call(%g, %g, %g, %g, %g, %x, %w), custom_call_target="tpu_custom_call", operand_layout_constraints={s32[1]{0}, s32[5]{0}, s32[131]{0}, s32[131]{0}, s32[1]{0}, bf16[16384,128]{1,0}, bf16[4,128,256]{2,1,0}}, frontend_attributes={mosaic_fusion_entry_point="true"}, metadata={op_name="jit(train_step)/routed_experts/weight_matmul/ragged_dot_general/ragged-dot-none"}
+}
+"""
+
+
+def test_the_audit_counts_xla_tpu_native_ragged_dot():
+    """XLA:TPU runs jax.lax.ragged_dot as a Mosaic kernel (a tpu_custom_call, invisible to XLA's cost analysis): each
+    of its rows meets one expert's matrix."""
+    count = audit.count(hlo.parse(RAGGED))
+    assert count.total == 2 * 16384 * 128 * 256
+    assert [(m.kind, m.component) for m in count.matmuls] == [("ragged_dot", "routed_experts")]
+
+
 LOOP = """HloModule m, is_scheduled=true
 
 %condition (t: (s32[], f32[4])) -> pred[] {
