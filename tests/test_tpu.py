@@ -1,12 +1,13 @@
 """TPUs: the platform picked where a chip is attached, the TPU rows of the hardware table, XLA:TPU's compiled
 program read by the audit and the timeline, and the deviceless TPU compile (libtpu on this CPU machine)."""
+import gzip
 import json
 import os
 
 import pytest
 
-from conftest import run_cli
-from MaxOffload import audit, hardware, hlo, memory, platform
+from conftest import ROOT, run_cli
+from MaxOffload import audit, hardware, hlo, memory, platform, timeline
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=256", "train.per_device_batch_size=8"]
 
@@ -180,3 +181,21 @@ def test_tpu_preset_flags_are_checked_against_the_installed_libtpu(tmp_path, mon
     assert known == {"--xla_tpu_enable_host_aware_passes=true": True, "--xla_tpu_enable_no_such_pass=true": False}
     assert xla.presets_for("tpu") == ["baseline", "tpu_overlap", "tpu_overlap_offload"]
     assert "tpu_overlap" not in xla.presets_for("gpu") and "lhs" not in xla.presets_for("tpu")
+
+
+@pytest.mark.stack("py311")
+def test_the_v5e_programs_are_predicted_within_15_percent_and_ordered_as_measured():
+    """The six variants measured on the lent v5e (benchmarks/results/tpu_v5e_2026-12-05), as compiled deviceless on
+    jax 0.10.2 + libtpu 0.0.42 (tests/data/v5e_programs, written by benchmarks/predict_vs_measured.py --target v5e
+    --save_programs), simulated with the TPU calibration in the code."""
+    with open(os.path.join(ROOT, "benchmarks", "results", "tpu_v5e_2026-12-05", "measured_variants.json")) as f:
+        measured = {name: run["summary"]["mean_step_time_s"] for name, run in json.load(f).items()}
+    rates = timeline.Rates.of(hardware.ACCELERATORS["v5e"], "1x1")
+    predicted = {}
+    for name in measured:
+        with gzip.open(os.path.join(ROOT, "tests", "data", "v5e_programs", f"{name}.hlo.gz"), "rt") as f:
+            predicted[name] = timeline.simulate(f.read(), rates)[0]["step_s"]
+    for name, seconds in measured.items():
+        assert predicted[name] == pytest.approx(seconds, rel=0.15), (name, predicted[name], seconds)
+    for size in ("l4b4", "l2b8"):  # keep < remat < offload, as measured
+        assert predicted[f"{size}_keep"] < predicted[f"{size}_remat"] < predicted[f"{size}_offload"]
