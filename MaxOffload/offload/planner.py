@@ -328,17 +328,20 @@ def check_prediction(cfg, target, topology):
     m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
     model_candidates, _ = cost_model(setup.model_config, activation_groups(cfg, setup)[0], m, cfg.train.seq_len,
                                      numerics=setup.numerics)
-    full_hbm, _ = compiled_memory(setup)
-    saved_hbm, _ = compiled_memory(setup.with_plan(saved_plan(setup.plan, model_candidates)))
+    full_compiled = setup.compile_train_step()
+    full_hbm, _ = compiled_bytes(full_compiled.memory_analysis())
+    saved_hbm = saved_compiled_hbm(setup, model_candidates, full_compiled)
     model_candidates, base = with_recompute_hbm(model_candidates, full_hbm, saved_hbm)
     share = {(c.group, c.name): c.remat_bytes for c in model_candidates}
+    scale = {(c.group, c.name): c.kept_scale for c in model_candidates}
     candidates, decisions = [], {}
     for label, entry in activation_groups(cfg, own)[0].items():
         layers = entry["layers"][1] - entry["layers"][0] + 1
         for name, t in entry["tensors"].items():
             kind = {"offload": OFFLOAD, "offload+device": DEVICE, "device": DEVICE}.get(t["result"], REMAT)
             candidates.append(Candidate(label, name, layers, t["bytes_per_device_per_step"] // layers, 0, 0, 0, (),
-                                        remat_bytes=share.get((entry["model_group"], name), 0.0)))
+                                        remat_bytes=share.get((entry["model_group"], name), 0.0),
+                                        kept_scale=scale.get((entry["model_group"], name), 1.0)))
             decisions[(label, name)] = kind
     return base + usage(candidates, decisions)[0], compiled_memory(own)[0]
 
