@@ -241,9 +241,11 @@ class Counter:
             return found
         if ins.opcode == "convolution":  # XLA:TPU writes a matmul as a convolution (dim_labels, a window)
             return [Matmul(convolution_flops(ins, shapes) * times, ins.op_name, "dot", here, times)]
-        if ins.opcode == "custom-call" and ins.target() == "tpu_custom_call" and ins.name.startswith("ragged-dot"):
-            flops = tpu_ragged_dot_flops(ins)  # 0 for its metadata kernel (ragged-dot-metadata)
-            return [Matmul(flops * times, ins.op_name, "ragged_dot", here, times)] if flops else []
+        if ins.opcode == "custom-call" and ins.target() == "tpu_custom_call":
+            kind, flops = tpu_kernel_flops(ins)  # 0 for the metadata kernels (ragged-dot-metadata)
+            if flops:
+                out.counted_kernels[kind] = out.counted_kernels.get(kind, 0) + times
+            return [Matmul(flops * times, ins.op_name, kind, here, times)] if flops else []
         if ins.opcode == "custom-call":
             target = ins.target() or "?"
             if target.startswith(GEMM_TARGETS):
@@ -277,13 +279,44 @@ class Counter:
         return found
 
 
+def _tpu_operands(ins):
+    """The operand dims of a Mosaic `tpu_custom_call`, from its operand layout constraints."""
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, \w+=", ins.attributes)
+    return [dims(t) for t in re.findall(r"\w+\[[\d,]*\]", layouts.group(1))] if layouts else []
+
+
 def tpu_ragged_dot_flops(ins):
     """2 x rows x K x N of XLA:TPU's native ragged_dot, a Mosaic `tpu_custom_call` named ragged-dot-*: its operand
     layouts list the group metadata, then lhs [rows, K] and rhs [groups, K, N]; each row meets one group's matrix."""
-    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, \w+=", ins.attributes)
-    operands = [dims(t) for t in re.findall(r"\w+\[[\d,]*\]", layouts.group(1))] if layouts else []
-    lhs = next((d for d in operands if len(d) == 2 and d[0] == (dims(ins.shape) or [0])[0]), None)
+    lhs = next((d for d in _tpu_operands(ins) if len(d) == 2 and d[0] == (dims(ins.shape) or [0])[0]), None)
     return 2 * math.prod(dims(ins.shape)) * lhs[1] if lhs else 0
+
+
+def tpu_splash_flops(ins):
+    """Splash attention's matmuls (models/kernels.splash_attention), its operands (after two mask operands) q [b,
+    heads, T, d], k, v [b, kv_heads, T, dv]: the blocks on and below the diagonal, n (n + 1) / 2 of block^2 pairs
+    (block: kernels.splash_block), at 2 (d + dv) per pair forward (splash_mha_fwd*) and 2 (3 d + 2 dv) for the fused
+    backward (splash_mha_dkv*: QK^T recomputed, dV, dP, dQ, dK)."""
+    from MaxOffload.models.kernels import splash_block
+
+    operands = _tpu_operands(ins)
+    if len(operands) < 5 or len(operands[2]) != 4:
+        return 0
+    (batch, heads, length, d), dv = operands[2], operands[4][-1]
+    block = splash_block(length) or length
+    blocks = length // block
+    pairs = blocks * (blocks + 1) // 2 * block * block
+    per_pair = (3 * d + 2 * dv) if "_dkv" in ins.name else (d + dv)
+    return 2 * batch * heads * pairs * per_pair
+
+
+def tpu_kernel_flops(ins):
+    """(kind, FLOPs) of an XLA:TPU Mosaic kernel we can count, else (None, 0)."""
+    if ins.name.startswith("ragged-dot"):
+        return "ragged_dot", tpu_ragged_dot_flops(ins)
+    if ins.name.startswith("splash_mha"):
+        return "splash", tpu_splash_flops(ins)
+    return None, 0
 
 
 def convolution_flops(ins, shapes):

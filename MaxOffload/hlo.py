@@ -288,10 +288,35 @@ def metadata(attributes, key):
     return attributes[start + 1:_string_end(attributes, start) - 1].replace('\\"', '"').replace("\\\\", "\\")
 
 
+_INSTRUCTION_START = re.compile(r"^\s+(ROOT\s+)?%")
+
+
+def _logical_lines(text):
+    """The lines of an HLO text with each instruction on one: XLA:TPU writes a Mosaic kernel's metadata (a
+    frontend attribute) over several lines, its op name on the last; a line that starts no instruction, header or
+    closing brace, or a brace while the instruction's braces are still open, continues the one before."""
+    pending = None
+    for line in text.splitlines():
+        starts = _INSTRUCTION_START.match(line) or COMPUTATION.match(line)
+        closes = line.strip() == "}" and (pending is None or pending.count("{") <= pending.count("}"))
+        if pending is not None and not starts and not closes and line.strip():
+            pending += " " + line.strip()
+            continue
+        if pending is not None:
+            yield pending
+            pending = None
+        if _INSTRUCTION_START.match(line):
+            pending = line
+        else:
+            yield line
+    if pending is not None:
+        yield pending
+
+
 def parse(text):
     """The Module of an HLO text; ValueError when it has no ENTRY computation."""
     computations, entry, current = {}, None, None
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         header = COMPUTATION.match(line)
         if header:
             current = header.group(2)

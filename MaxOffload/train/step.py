@@ -21,6 +21,20 @@ PER_MICRO_BATCH, PER_STEP = "per_micro_batch", "per_step"  # where accumulation 
 HOST, DEVICE = "pinned_host", "device"
 
 
+def check_splash(model_config, seq_len, layout):
+    """ConfigError (one line) for a step TPUs cannot run with their attention kernel (models/kernels.splash_attention):
+    a sequence no splash block divides, or a sequence split over a context axis."""
+    if getattr(model_config, "attention", None) != kernels.SPLASH:
+        return
+    if kernels.splash_block(seq_len) is None:
+        raise ConfigError(f"train.seq_len={seq_len}: splash attention (model.attention=auto/flash on TPUs) runs "
+                          f"sequences in blocks of {' or '.join(map(str, kernels.SPLASH_BLOCKS))} tokens; use a "
+                          "multiple of 128, or model.attention=xla")
+    if layout.context_ways > 1:
+        raise ConfigError("splash attention (model.attention=auto/flash on TPUs) does not run over a context axis "
+                          "yet: set model.attention=xla with mesh.ici/dcn.context > 1")
+
+
 def check_divisible(abstract_params, shardings, mesh):
     """ConfigError naming the first parameter dimension that its mesh axes do not divide."""
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_params))[0]
@@ -97,6 +111,7 @@ class TrainSetup:
                                                      kernels.platform(mesh.devices.flat[0]))
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
         self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
+        check_splash(self.model_config, seq_len, self.layout)
         abstract_model = nnx.eval_shape(self._model)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
