@@ -147,7 +147,8 @@ def test_a_damaged_cache_is_made_again(tmp_path, monkeypatch):
     with pytest.raises(Planned):
         planner.plan_for(cfg, log=logs.append)
     assert logs == [f"remat.policy=auto: {path}: 'xla_preset' should be one of baseline, lhs, lhs_pipelined, "
-                    "lhs_pipelined_offload, got a string (\"turbo\"); planning again (the plan replaces it)"], logs
+                    "lhs_pipelined_offload, tpu_overlap, tpu_overlap_offload, got a string (\"turbo\"); planning "
+                    "again (the plan replaces it)"], logs
 
 
 def test_a_leftover_conversion_with_a_damaged_marker_is_not_removed(tmp_path):
