@@ -25,12 +25,12 @@ import os
 import sys
 import time
 
-from MaxOffload import audit, hlo, timeline
+from MaxOffload import audit, hlo, memory, timeline
 from MaxOffload.cli import tool
-from MaxOffload import memory
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.reports import gib
-from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, plugin_missing, require_plugin  # noqa: F401  (re-exported)
+from MaxOffload.deviceless import (HOST_USABLE, compile_only_devices, plugin_missing, require_plugin,  # noqa: F401
+                                   require_target)  # (HOST_USABLE .. require_plugin re-exported)
 
 
 def build_report(cfg, plan, target, topology):
@@ -172,11 +172,7 @@ def main(argv):
     from MaxOffload.reports import publish
 
     cfg = load(argv)
-    require_plugin(target=cfg.aot.target)
-    from MaxOffload import hardware
-
-    xla.require_preset_for(cfg.xla.preset, hardware.ACCELERATORS[cfg.aot.target].platform,
-                           f"aot.target={cfg.aot.target}")
+    require_target(cfg)
     xla.apply(cfg)
     from MaxOffload.offload.planner import plan_for
 

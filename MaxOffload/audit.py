@@ -337,7 +337,7 @@ def convolution_flops(ins, shapes):
     def per_spatial(key, default):
         return [int(v) for v in fields[key].split("x")] if key in fields else default
 
-    spatial = sorted(c for c in lhs_labels if c.isdigit())  # the window lists spatial dimensions 0, 1, ...; labels may not
+    spatial = sorted(c for c in lhs_labels if c.isdigit())  # the window lists them 0, 1, ...; the labels may not
     ones = [1] * len(spatial)
     sizes, strides = per_spatial("size", [rhs[rhs_labels.index(c)] for c in spatial]), per_spatial("stride", ones)
     lhs_dilate, rhs_dilate = per_spatial("lhs_dilate", ones), per_spatial("rhs_dilate", ones)

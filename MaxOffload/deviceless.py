@@ -42,6 +42,16 @@ def require_plugin(context="", target=None):
         raise ConfigError(f"{context}: {missing}" if context else missing)
 
 
+def require_target(cfg):
+    """ConfigError (one line) unless aot.target's compiler is installed (require_plugin) and xla.preset is one that
+    target takes (xla.require_preset_for): the aot tool's and the planner's checks before they compile."""
+    from MaxOffload import hardware, xla
+
+    require_plugin(target=cfg.aot.target)
+    xla.require_preset_for(cfg.xla.preset, hardware.ACCELERATORS[cfg.aot.target].platform,
+                           f"aot.target={cfg.aot.target}")
+
+
 def compile_only_devices(target, topology, num_slices=1):
     """The compile-only devices of `target` (a key of hardware.ACCELERATORS) in `topology` (GPUs: SxHxG; TPUs: a
     slice's chip grid, `num_slices` of them). Turns JAX's persistent compilation cache off for this process: it

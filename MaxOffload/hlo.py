@@ -102,25 +102,29 @@ class Module:
         if known is not None:
             return known
         condition = loop.called("condition")
+        compared = self._compared(condition, self.root(condition)) if condition else None  # (i, N) of `i < N`
+        if not compared or not compared[0] or compared[0][0] != "element":
+            return None
+        index = compared[0][1]
         variable = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}', loop.attributes)
         if variable:
-            index = int(variable.group(1))
+            if int(variable.group(1)) != index:
+                return None
             steps = re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"\}' % index, loop.attributes)
             init, step = (int(g) for g in steps.groups()) if steps else (None, None)
         else:
-            left = self._compared(condition, self.root(condition)) if condition else None
-            if not left or not left[0] or left[0][0] != "element":
-                return None
-            index = left[0][1]
             init, step = self._initial(loop, index), self._increment(loop.called("body"), index)
-        bound = self._bound(condition, self.root(condition), index) if condition else None
+        bound = compared[1][1] if compared[1] and compared[1][0] == "constant" else None
         if bound is None or init is None or step is None or step <= 0:
             return None
         return max(0, -(-(bound - init) // step))
 
+    @functools.cached_property
+    def _home(self):
+        """{instruction name: the computation holding it}."""
+        return {i.name: c for c, body in self.computations.items() for i in body}
+
     def _containing(self, ins):
-        if not hasattr(self, "_home"):
-            self._home = {i.name: c for c, body in self.computations.items() for i in body}
         return self._home.get(ins.name)
 
     def _initial(self, loop, index):
@@ -179,13 +183,6 @@ class Module:
             elif ins.opcode == "conditional":
                 total += max((self.gathered_bytes(b, times) for b in ins.branches()), default=0)
         return total
-
-    def _bound(self, computation, compare, index):
-        """N of a condition `tuple[index] < N` rooted at `compare` (through one fusion), or None."""
-        operands = self._compared(computation, compare)
-        if operands and operands[0] == ("element", index) and operands[1] and operands[1][0] == "constant":
-            return operands[1][1]
-        return None
 
     def _find(self, computation, name):
         return next((i for i in self.computations.get(computation, ()) if i.name == name), None)

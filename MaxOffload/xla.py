@@ -179,26 +179,23 @@ def _is_tpu_flag(flag):
     return flag.startswith("--xla_tpu_") or flag.split("=")[0] in _TPU_UNPREFIXED
 
 
+def _probe(todo, rejected, cache):
+    """Records in `cache` whether each flag of `todo` is known, `rejected(flags)` naming the first unknown one."""
+    while todo:
+        bad = rejected(todo)
+        if bad is None:
+            cache.update({f: True for f in todo})
+            return
+        cache[bad] = False
+        todo = [f for f in todo if f != bad]
+
+
 def accepted(flags):
     """{flag: bool} — whether the installed jaxlib (libtpu, for a TPU flag) knows each flag (cached per version)."""
     cache = _load_cache()
     todo = [f for f in dict.fromkeys(flags) if f not in cache]
-    tpu = [f for f in todo if _is_tpu_flag(f)]
-    todo = [f for f in todo if not _is_tpu_flag(f)]
-    while tpu:
-        bad = rejected_tpu_flag(tpu)
-        if bad is None:
-            cache.update({f: True for f in tpu})
-            break
-        cache[bad] = False
-        tpu = [f for f in tpu if f != bad]
-    while todo:
-        bad = rejected_flag(todo)
-        if bad is None:
-            cache.update({f: True for f in todo})
-            break
-        cache[bad] = False
-        todo = [f for f in todo if f != bad]
+    _probe([f for f in todo if _is_tpu_flag(f)], rejected_tpu_flag, cache)
+    _probe([f for f in todo if not _is_tpu_flag(f)], rejected_flag, cache)
     _save_cache(cache)
     return {f: cache[f] for f in flags}
 

@@ -71,6 +71,20 @@ def process_env(args, env=None):
     return dict(os.environ, **(TRAIN_CACHE if args[:1] == ["train.py"] else {}), **(env or {}))
 
 
+def predicted_steps(programs, names, rates):
+    """{name: the step time MaxOffload/timeline.py predicts under `rates`} of recorded compiled programs,
+    tests/data/<programs>/<name>.hlo.gz (written by benchmarks/predict_vs_measured.py --save_programs)."""
+    import gzip
+
+    from MaxOffload import timeline
+
+    predicted = {}
+    for name in names:
+        with gzip.open(os.path.join(ROOT, "tests", "data", programs, f"{name}.hlo.gz"), "rt") as f:
+            predicted[name] = timeline.simulate(f.read(), rates)[0]["step_s"]
+    return predicted
+
+
 def run_cli(args, env=None, timeout=600):
     """Runs `python ARGS...` from the repository root; returns the CompletedProcess (text)."""
     full_env = process_env(args, env)

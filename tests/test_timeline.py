@@ -2,14 +2,13 @@
 deviceless GB200 compile of the quickstart under an offload policy, the five H200 programs against their measured
 step times, and the planner ranking plans by their compiled timelines."""
 import collections
-import gzip
 import json
 import os
 
 import pytest
 
 from MaxOffload import hardware, hlo, timeline
-from conftest import ROOT
+from conftest import ROOT, predicted_steps
 
 MS = 1e-3
 # Round rates: a kernel of 1e9 FLOPs takes 1 ms; HBM so fast that bytes never decide a kernel here; the host link
@@ -271,11 +270,7 @@ def test_the_h200_programs_are_predicted_within_20_percent_and_ranked_as_measure
 
     with open(os.path.join(ROOT, "benchmarks", "results", "h200_2026-11-29", "offload_sweep.csv")) as f:
         measured = {r["variant"]: float(r["step_s"]) for r in csv.DictReader(f)}
-    rates = timeline.Rates.of(hardware.ACCELERATORS["h200"])
-    predicted = {}
-    for name in measured:
-        with gzip.open(os.path.join(ROOT, "tests", "data", "h200_programs", f"{name}.hlo.gz"), "rt") as f:
-            predicted[name] = timeline.simulate(f.read(), rates)[0]["step_s"]
+    predicted = predicted_steps("h200_programs", measured, timeline.Rates.of(hardware.ACCELERATORS["h200"]))
     for name, seconds in measured.items():
         assert predicted[name] == pytest.approx(seconds, rel=0.2), (name, predicted[name], seconds)
     order = sorted(measured, key=predicted.get)

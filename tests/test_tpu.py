@@ -1,12 +1,11 @@
 """TPUs: the platform picked where a chip is attached, the TPU rows of the hardware table, XLA:TPU's compiled
 program read by the audit and the timeline, and the deviceless TPU compile (libtpu on this CPU machine)."""
-import gzip
 import json
 import os
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, predicted_steps, run_cli
 from MaxOffload import audit, hardware, hlo, memory, platform, timeline
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=256", "train.per_device_batch_size=8"]
@@ -190,11 +189,7 @@ def test_the_v5e_programs_are_predicted_within_15_percent_and_ordered_as_measure
     --save_programs), simulated with the TPU calibration in the code."""
     with open(os.path.join(ROOT, "benchmarks", "results", "tpu_v5e_2026-12-05", "measured_variants.json")) as f:
         measured = {name: run["summary"]["mean_step_time_s"] for name, run in json.load(f).items()}
-    rates = timeline.Rates.of(hardware.ACCELERATORS["v5e"], "1x1")
-    predicted = {}
-    for name in measured:
-        with gzip.open(os.path.join(ROOT, "tests", "data", "v5e_programs", f"{name}.hlo.gz"), "rt") as f:
-            predicted[name] = timeline.simulate(f.read(), rates)[0]["step_s"]
+    predicted = predicted_steps("v5e_programs", measured, timeline.Rates.of(hardware.ACCELERATORS["v5e"], "1x1"))
     for name, seconds in measured.items():
         assert predicted[name] == pytest.approx(seconds, rel=0.15), (name, predicted[name], seconds)
     for size in ("l4b4", "l2b8"):  # keep < remat < offload, as measured

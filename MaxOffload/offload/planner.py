@@ -498,7 +498,7 @@ def main(argv):
     """Exit status; a mistake in the input prints one line (MaxOffload/cli.py)."""
     from MaxOffload import cli
     from MaxOffload.cli import TARGET_KEYS
-    from MaxOffload.deviceless import require_plugin
+    from MaxOffload.deviceless import require_target
 
     argv, _, flags = cli.parse(argv, __doc__, keys=TARGET_KEYS, flags=("--no_confirm",))
     confirm = not flags["--no_confirm"]  # the CLI always plans afresh; plan_for() caches for train.py/aot
@@ -514,11 +514,7 @@ def main(argv):
     from MaxOffload.config import load
 
     cfg = load(argv)
-    require_plugin(target=cfg.aot.target)
-    from MaxOffload import hardware
-
-    xla.require_preset_for(cfg.xla.preset, hardware.ACCELERATORS[cfg.aot.target].platform,
-                           f"aot.target={cfg.aot.target}")
+    require_target(cfg)
     xla.apply(cfg)
     result = decide(cfg, cfg.aot.target, cfg.aot.topology, confirm=confirm)
     print(format_plan(result))

@@ -177,14 +177,14 @@ def compiled_memory(compiled):
 
 def device_peak_bytes(compiled):
     """{"device_peak_bytes", "device_allocator_peak_bytes", "device_memory_stats"}: the step's peak device memory
-    and what the runtime reported (GPU, TPU; the CPU backend reports nothing: {}). The peak is the larger of the
+    and what the runtime reported (GPU, TPU; the CPU backend reports nothing: the peak is None). The peak is the larger of the
     allocator's peak and the memory in use between steps + the compiled step's temporaries: the TPU runtime
     allocates a program's temporaries outside the allocator that reports (its peak stayed the state's size whatever
     the policy), the GPU allocator counts them."""
     stats = {k: int(v) for k, v in (jax.local_devices()[0].memory_stats() or {}).items()
              if isinstance(v, (int, float))}
     if "peak_bytes_in_use" not in stats:
-        return {}
+        return {"device_peak_bytes": None}
     temp = (compiled or {}).get("temp_size_in_bytes", 0)
     return {"device_peak_bytes": max(stats["peak_bytes_in_use"], stats.get("bytes_in_use", 0) + temp),
             "device_allocator_peak_bytes": stats["peak_bytes_in_use"], "device_memory_stats": stats}
@@ -366,7 +366,7 @@ class Training:
                        tflops_per_sec_per_device=mean("tflops_per_sec_per_device"),
                        mfu=mean("mfu") if peak else None, skipped_steps=self.hooks.health.skipped,
                        loss_spikes=self.hooks.health.spikes,
-                       **{"device_peak_bytes": None, **device_peak_bytes(summary.get("compiled_memory"))})
+                       **device_peak_bytes(summary.get("compiled_memory")))
         if self.lead:
             write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         mfu = f"{summary['mfu'] * 100:.1f}%" if peak else \
