@@ -75,6 +75,7 @@ class Accelerator:
     nvlink_domain: int = 8  # GPUs one NVLink domain joins (the rest talk over the network)
     platform: str = "gpu"  # "gpu" | "tpu": which deviceless compiler and which XLA flags apply
     int8_peak_flops: float = None  # dense int8 OP/s (TPUs' low-precision peak)
+    grid_dims: int = 0  # TPUs: the dimensions of a slice's chip grid (v5e/v6e 2D torus: 2; v5p 3D: 3)
     fp8_peak: float = None  # dense FP8 FLOP/s where it is not twice BF16's (TPUs: no faster FP8 path)
 
     def peak_for(self, flops, fp8_flops):
@@ -109,13 +110,14 @@ ACCELERATORS = {
     # PCIe Gen5 x16 (its page names Gen5) are nominal per-direction rates, not readings.
     "v5e": Accelerator("TPU v5 lite", 16_911_433_728, 819e9, 197e12, 13 * GB, "PCIe (measured)", 8, 512 * 2**30 // 8,
                        nvlink_bandwidth=200 * GB, network_bandwidth=25 * GB // 8, nvlink_domain=256,
-                       platform="tpu", int8_peak_flops=393e12, fp8_peak=197e12),
+                       platform="tpu", int8_peak_flops=393e12, fp8_peak=197e12, grid_dims=2),
     "v5p": Accelerator("TPU v5", 102_800_595_927, 2765e9, 459e12, 32 * GB, "PCIe Gen4 x16", 4, 448 * GB // 4,
                        nvlink_bandwidth=600 * GB, network_bandwidth=50 * GB // 8, nvlink_domain=8960,
-                       platform="tpu", int8_peak_flops=918e12, fp8_peak=459e12, derived=True),
+                       platform="tpu", int8_peak_flops=918e12, fp8_peak=459e12, derived=True, grid_dims=3),
     "v6e": Accelerator("TPU v6 lite", 33_554_432_000, 1638e9, 918e12, 64 * GB, "PCIe Gen5 x16", 8,
                        1536 * 2**30 // 8, nvlink_bandwidth=400 * GB, network_bandwidth=100 * GB // 8,
-                       nvlink_domain=256, platform="tpu", int8_peak_flops=1836e12, fp8_peak=918e12, derived=True),
+                       nvlink_domain=256, platform="tpu", int8_peak_flops=1836e12, fp8_peak=918e12, derived=True,
+                       grid_dims=2),
 }
 
 # the names JAX gives TPU chips (device_kind) per table key: "TPU v5 lite" is a v5e, "TPU v5" a v5p
@@ -142,7 +144,7 @@ def usable_hbm(accelerator, mem_fraction):
 def topology_problem(accelerator, topology, num_slices=1):
     """One line saying what is wrong with `topology` (and `num_slices`) for `accelerator`, else None."""
     if accelerator.platform == "tpu":
-        dims = 3 if accelerator.name == "TPU v5" else 2
+        dims = accelerator.grid_dims
         shape = "x".join("ABC"[:dims])
         if not re.match(r"^\d+" + r"x\d+" * (dims - 1) + "$", topology) or 0 in map(int, topology.split("x")):
             return (f"aot.topology={topology!r}: a {accelerator.name} slice is its chip grid {shape} (each >= 1), "
