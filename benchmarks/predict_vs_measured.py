@@ -63,12 +63,12 @@ def measured_rows(path):
 
 
 def tpu_variant(name):
-    """The overrides of a TPU device-check variant, as benchmarks/tpu/device_check.sh asks for them."""
+    """The config and overrides of a TPU device-check variant, as benchmarks/tpu/device_check.sh asks for them."""
     import subprocess
 
     script = os.path.join(ROOT, "benchmarks", "tpu", "variants.py")
-    return ["configs/llama3_1.py:8b", *subprocess.run([sys.executable, script, "args", name], capture_output=True,
-                                                      text=True, check=True).stdout.split()]
+    return subprocess.run([sys.executable, script, "args", name], capture_output=True, text=True,
+                          check=True).stdout.split()
 
 
 def compile_variant(name, target, plan_auto=False):

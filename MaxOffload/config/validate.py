@@ -183,6 +183,10 @@ def validate(cfg):
     _choice("model.param_dtype", model.param_dtype, DTYPES)
     _choice("model.compute_dtype", model.compute_dtype, DTYPES)
     _choice("model.attention", model.attention, kernels.ATTENTION)
+    _require(model.attention_block >= 0 and model.attention_block % kernels.SPLASH_LANES == 0,
+             f"model.attention_block={model.attention_block}: splash attention's block is a multiple of "
+             f"{kernels.SPLASH_LANES} tokens (0 = the largest of {'/'.join(map(str, kernels.SPLASH_BLOCKS))} "
+             "dividing train.seq_len)")
     config = models.model_config(cfg.model)
     config.validate()  # the family's own checks
     _check_model_size(config)

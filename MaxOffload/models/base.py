@@ -76,9 +76,12 @@ class ModelConfig(FromConfig):
     tie_embeddings: bool = field(False, "share the token embedding with the output projection")
     param_dtype: str = field("float32", "parameter (and optimizer state) dtype: float32 | bfloat16")
     compute_dtype: str = field("bfloat16", "matmul/activation dtype: float32 | bfloat16")
-    attention: str = field("auto", "causal attention: auto (flash on GPUs, xla on CPU) | xla (query blocks that "
-                                   "skip the keys they cannot see) | flash (tokamax's fused kernel; "
-                                   "models/kernels.py)")
+    attention: str = field("auto", "causal attention: auto (flash on GPUs, splash on TPUs, xla on CPU) | xla "
+                                   "(query blocks that skip the keys they cannot see) | flash (tokamax's fused "
+                                   "kernel; splash on TPUs; models/kernels.py)")
+    attention_block: int = field(0, "splash attention's block on TPUs (models/kernels.py): 0 = the largest of "
+                                    "1024/512/256/128 dividing train.seq_len (the fastest on the v5e); else that "
+                                    "many tokens, a multiple of 128 dividing train.seq_len")
     scan_layers: bool = field(True, "scan over layers (compile time flat in depth); false = Python loop")
     init_std: float = field(0.02, "standard deviation of the normal weight initialiser")
 

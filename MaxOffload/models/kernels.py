@@ -66,44 +66,63 @@ def grouped_gemm_for(choice, on):
 
 SPLASH = "splash"
 # the block sizes splash runs a sequence in, largest first: the largest that divides the length (1024 with the fused
-# backward was the fastest on the v5e for Llama-8B GQA and the MLA shapes, 6.9 against 9.0 ms at MaxText's 512)
+# backward was the fastest on the v5e for Llama-8B GQA and the MLA shapes, 6.9 against 9.0 ms at MaxText's 512);
+# `model.attention_block` fixes one (the kernel string is then 'splash:<block>')
 SPLASH_BLOCKS = (1024, 512, 256, 128)
+SPLASH_LANES = 128  # a block is a multiple of the TPU's 128 lanes
 
 
-def attention_for(choice, on):
-    """The attention kernel ('xla' | 'flash:<tokamax implementation>' | 'splash') for `model.attention=choice` on
-    devices of platform `on`."""
+def attention_for(choice, on, block=0):
+    """The attention kernel ('xla' | 'flash:<tokamax implementation>' | 'splash' | 'splash:<block>') for
+    `model.attention=choice` (and `model.attention_block=block`) on devices of platform `on`."""
     if on == "tpu" and choice in ("auto", "flash"):
-        return SPLASH
+        return f"{SPLASH}:{block}" if block else SPLASH
     return _choose(choice, on, "flash", FLASH_IMPLEMENTATION)
 
 
-def splash_block(length):
-    """The splash block for a sequence of `length` tokens (SPLASH_BLOCKS), or None when none divides it."""
+def is_splash(kernel):
+    return kernel == SPLASH or kernel.startswith(SPLASH + ":")
+
+
+def splash_block(length, kernel=SPLASH):
+    """The block splash `kernel` ('splash' or 'splash:<block>') runs a sequence of `length` tokens in: its fixed
+    block, else the largest of SPLASH_BLOCKS that divides the length; None when that block does not divide it."""
+    fixed = int(kernel.partition(":")[2] or 0)
+    if fixed:
+        return fixed if length % fixed == 0 else None
     return next((b for b in SPLASH_BLOCKS if length % b == 0), None)
 
 
-def splash_attention(q, k, v, scale, q_sharding=None, interpret=False):
+def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SPLASH, fused_backward=True):
     """Causal attention by jax's Pallas splash kernel: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads,
-    dv] -> [b, l, heads, dv], in blocks of splash_block(l) with the fused backward. `q_sharding`: q's
-    NamedSharding: the kernel runs per shard of its batch and heads axes (shard_map); where the heads split wider
-    than the kv heads, each shard's k/v heads are repeated to its queries'. `interpret`: the same kernel
-    interpreted (any platform: the CPU tests)."""
+    dv] -> [b, l, heads, dv], in blocks of splash_block(l, kernel) with the fused backward (`fused_backward=False`:
+    splash's separate dq and dkv kernels, for benchmarks/tpu/attention.py). `q_sharding`: q's NamedSharding: the
+    kernel runs per shard of its batch and heads axes (shard_map); where the heads split wider than the kv heads,
+    each shard's k/v heads are repeated to its queries'. `interpret`: the same kernel interpreted (any platform: the
+    CPU tests). The kernel's residuals (its output and the rows' log-sum-exp) are named names.CONTEXT (MaxText's
+    name for them), so a remat policy keeps (remat.tensors.context=device), offloads or recomputes them: kept, the
+    backward pass runs no second forward kernel."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
+    from MaxOffload.offload import names
+
     jnp = jax.numpy
     factor = q.shape[-1] ** -0.5 if scale is None else scale  # the kernel takes q unscaled: scaled once, here
-    block = splash_block(q.shape[1])
+    block = splash_block(q.shape[1], kernel)
     if block is None:
-        raise ValueError(f"splash attention runs blocks of {SPLASH_BLOCKS}: {q.shape[1]} tokens is no multiple")
+        raise ValueError(f"splash attention ({kernel}) runs blocks of {kernel.partition(':')[2] or SPLASH_BLOCKS}: "
+                         f"{q.shape[1]} tokens is no multiple")
 
     def local(q, k, v):
         length, heads = q.shape[1], q.shape[2]
         sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                      block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+                                      block_kv_dkv=block, block_kv_dkv_compute=block,
+                                      **({} if fused_backward else {"block_q_dq": block, "block_kv_dq": block}),
+                                      use_fused_bwd_kernel=fused_backward)
         mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * heads)
-        run = kernel_lib.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+        run = kernel_lib.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                         residual_checkpoint_name=names.CONTEXT, interpret=interpret)
         heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [b, l, h, d] <-> [b, h, l, d]
         return heads_first(jax.vmap(run)(heads_first(q * jnp.asarray(factor, q.dtype)), heads_first(k),
                                          heads_first(v)))
@@ -132,7 +151,7 @@ def for_platform(config, on):
     the mesh)."""
     changes = {}
     if hasattr(config, "attention"):
-        changes["attention"] = attention_for(config.attention, on)
+        changes["attention"] = attention_for(config.attention, on, getattr(config, "attention_block", 0))
     if hasattr(config, "moe_kernel"):
         changes["moe_kernel"] = grouped_gemm_for(config.moe_kernel, on)
     return dataclasses.replace(config, **changes)

@@ -67,8 +67,8 @@ def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK, layout=N
             return 2.0
         return xla_work_multiple(length, block)
     per_pair = (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
-    if kernel == kernels.SPLASH:  # whole blocks on and below the diagonal (audit.tpu_splash_flops)
-        return (length + (kernels.splash_block(length) or length)) / length * per_pair
+    if kernels.is_splash(kernel):  # whole blocks on and below the diagonal (audit.tpu_splash_flops)
+        return (length + (kernels.splash_block(length, kernel) or length)) / length * per_pair
     if layout.gathers_context and layout.token_order(length) is None:
         ways = layout.context_ways
         return ((length // ways + 1) / length + 2 - 2 / ways) * per_pair
@@ -357,19 +357,19 @@ def attention(q, k, v, scale, kernel, layout=NONE, positions=None, source=None):
     causal_attention. `positions` [b, l]: the tokens' global positions (needed when the layout reorders them)."""
     kernel = kernels.attention_for(kernel, kernels.platform(jax.devices()[0]))
     if layout.gathers_context:
-        if kernel == kernels.SPLASH:  # TrainSetup refuses this layout: said here for direct callers
+        if kernels.is_splash(kernel):  # TrainSetup refuses this layout: said here for direct callers
             raise ValueError("splash attention does not run over a context axis yet: model.attention=xla there")
         source = source or KeySource.of_keys(q, k, v)
         if kernel == "xla":
             return context_attention(q, source, positions, scale, layout)
         with jax.named_scope(components.ATTENTION_SCORES):
             return context_flash_attention(q, source, scale, kernel, layout)
-    if kernel == "xla" or (kernel == kernels.SPLASH and kernels.splash_block(q.shape[1]) is None):
+    if kernel == "xla" or (kernels.is_splash(kernel) and kernels.splash_block(q.shape[1], kernel) is None):
         return causal_attention(q, k, v, scale)  # (splash: a length no block divides, only in shape-only traces:
         #                                           TrainSetup refuses such a train.seq_len)
     with jax.named_scope(components.ATTENTION_SCORES):
-        if kernel == kernels.SPLASH:
-            return kernels.splash_attention(q, k, v, scale, layout.sharding(Q_AXES))
+        if kernels.is_splash(kernel):
+            return kernels.splash_attention(q, k, v, scale, layout.sharding(Q_AXES), kernel=kernel)
         return kernels.flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES))
 
 

@@ -46,7 +46,7 @@ _MLP = ("activation_batch", "activation_length", "activation_mlp")
 
 # THE table: every name a policy can refer to, once, in the order of the forward pass. MaxText-compatible, so
 # published recipes carry over unchanged (qkv_proj, kv_proj, context and mlpwi are MaxText's fused or
-# alternative tensors: accepted, never tagged by these models).
+# alternative tensors: accepted; context is tagged only by the splash kernel on TPUs, the others never).
 TABLE = {
     # The layer input is the scan carry and the checkpointed function's input: asking to recompute it still
     # keeps it in HBM (there is nothing to recompute it from). Offloading it does move it to the host (checked
@@ -61,7 +61,9 @@ TABLE = {
     VALUE_PROJ: Entry("value projection", _KV_HEADS),
     QKV_PROJ: Entry("fused query/key/value projection"),
     KV_PROJ: Entry("fused key/value projection"),
-    CONTEXT: Entry("attention probabilities x values, before the output projection"),
+    CONTEXT: Entry("attention probabilities x values, before the output projection: on TPUs the splash kernel's "
+                   "residuals (its output and the rows' log-sum-exp; kept, the backward runs no second forward "
+                   "kernel)"),
     ATTENTION_OUT: Entry("attention output (heads x head_dim), before the output projection", _HEADS),
     OUT_PROJ: Entry("attention output projection", _BLE),
     MLPWI: Entry("fused MLP input projection"),

@@ -24,12 +24,15 @@ HOST, DEVICE = "pinned_host", "device"
 def check_splash(model_config, seq_len, layout):
     """ConfigError (one line) for a step TPUs cannot run with their attention kernel (models/kernels.splash_attention):
     a sequence no splash block divides, or a sequence split over a context axis."""
-    if getattr(model_config, "attention", None) != kernels.SPLASH:
+    kernel = getattr(model_config, "attention", None)
+    if not kernels.is_splash(kernel or ""):
         return
-    if kernels.splash_block(seq_len) is None:
+    block = model_config.attention_block
+    if kernels.splash_block(seq_len, kernel) is None:
+        blocks = [block] if block else kernels.SPLASH_BLOCKS
         raise ConfigError(f"train.seq_len={seq_len}: splash attention (model.attention=auto/flash on TPUs) runs "
-                          f"sequences in blocks of {' or '.join(map(str, kernels.SPLASH_BLOCKS))} tokens; use a "
-                          "multiple of 128, or model.attention=xla")
+                          f"sequences in blocks of {' or '.join(map(str, blocks))} tokens; use a multiple of "
+                          f"{blocks[-1]}{', or model.attention_block=0' if block else ''}, or model.attention=xla")
     if layout.context_ways > 1:
         raise ConfigError("splash attention (model.attention=auto/flash on TPUs) does not run over a context axis "
                           "yet: set model.attention=xla with mesh.ici/dcn.context > 1")

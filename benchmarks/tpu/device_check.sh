@@ -4,18 +4,19 @@
 #   platform    which platform MaxOffload picks, and why
 #   quickstart  python train.py configs/quickstart.py (real text, 300 steps)
 #   hostlink    the host link, both ways (benchmarks/tpu/host_link.py)
-#   variants    the variants of benchmarks/tpu/variants.py, one train.py process each (the allocator's peak is per
-#               process)
+#   attention   the attention kernels side by side (benchmarks/tpu/attention.py -> attention.json)
+#   variants    the variants of benchmarks/tpu/variants.py ($VARIANTS: those named, default all), one train.py process
+#               each (the allocator's peak is per process)
 #   profile     an xprof trace of the offload variant (profile.tar.gz), for the overlap report's TPU reading
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
-# logs.tar.gz, profile.tar.gz. Each train.py process takes ~80 s on the v5e (TPU start-up and shut-down, init, two
+# logs.tar.gz, profile.tar.gz, attention.json. Each train.py process takes ~80 s on the v5e (TPU start-up and shut-down, init, two
 # compiles, 8 steps), so all stages need two 10-minute calls; a run is skipped, not cut, once 540 s have passed:
 #     device run: STAGES="platform quickstart hostlink profile" bash benchmarks/tpu/device_check.sh
-#                 STAGES="variants" bash benchmarks/tpu/device_check.sh
+#                 STAGES="attention variants" VARIANTS="l4b4_splash ds_auto" bash benchmarks/tpu/device_check.sh
 set -u -o pipefail
 OUT=${OUT:-/tmp/device_check}
 RUNS=/tmp/device_check_runs
-STAGES=${STAGES:-platform quickstart hostlink variants profile}
+STAGES=${STAGES:-platform quickstart attention hostlink variants profile}
 mkdir -p "$OUT" "$RUNS"
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -50,17 +51,22 @@ quickstart() {
     echo "quickstart rc=$? at $(elapsed) s"; grep -E " on [0-9]+ x |^done" "$RUNS/quickstart.log"
 }
 
+attention() {
+    python3 benchmarks/tpu/attention.py --json "$OUT/attention.json" 2>&1 | tee "$RUNS/attention.log" | grep -v "^W0\|^I0"
+    echo "attention done at $(elapsed) s"
+}
+
 hostlink() {
     python3 benchmarks/tpu/host_link.py --sizes_mib 256,1024 --json "$OUT/host_link.json" 2>&1 | grep -v "^W0\|^I0"
     echo "host link done at $(elapsed) s"
 }
 
 variants() {
-    for name in $(python3 benchmarks/tpu/variants.py names); do
+    for name in ${VARIANTS:-$(python3 benchmarks/tpu/variants.py names)}; do
         if [ "$(elapsed)" -gt 540 ]; then echo "$name skipped: $(elapsed) s gone"; continue; fi
         mapfile -t args < <(python3 benchmarks/tpu/variants.py args "$name")
         limit=$(( 585 - $(elapsed) )); [ $limit -gt 170 ] && limit=170
-        timeout "$limit" python3 train.py configs/llama3_1.py:8b "${args[@]}" run.output_dir="$RUNS/$name" \
+        timeout "$limit" python3 train.py "${args[@]}" run.output_dir="$RUNS/$name" \
             > "$RUNS/$name.log" 2>&1
         echo "$name rc=$? at $(elapsed) s: $(grep '^done' "$RUNS/$name.log" | cut -c1-160)"
     done
@@ -68,7 +74,7 @@ variants() {
 
 profile() {
     mapfile -t args < <(python3 benchmarks/tpu/variants.py args l4b4_offload)
-    timeout 170 python3 train.py configs/llama3_1.py:8b "${args[@]}" profile.mode=xprof profile.start_step=4 \
+    timeout 170 python3 train.py "${args[@]}" profile.mode=xprof profile.start_step=4 \
         profile.num_steps=2 run.output_dir="$RUNS/profile" > "$RUNS/profile.log" 2>&1
     echo "profile rc=$? at $(elapsed) s"; tail -3 "$RUNS/profile.log"
     tar -czf "$OUT/profile.tar.gz" -C "$RUNS/profile" profile
@@ -76,8 +82,8 @@ profile() {
 
 for stage in $STAGES; do
     case $stage in
-        platform|quickstart|hostlink|variants|profile) $stage ;;
-        *) echo "unknown stage $stage: platform quickstart hostlink variants profile"; exit 2 ;;
+        platform|quickstart|attention|hostlink|variants|profile) $stage ;;
+        *) echo "unknown stage $stage: platform quickstart attention hostlink variants profile"; exit 2 ;;
     esac
 done
 python3 benchmarks/tpu/collect.py "$RUNS" "$OUT/device_check.json"

@@ -39,7 +39,7 @@ def _main(argv):
     target, topology = options["--target"], options["--topology"]
     names = rest or known
     for name in names:
-        cmd = [sys.executable, "-m", "MaxOffload.aot", "configs/llama3_1.py:8b", *variants("args", name), "--target", target,
+        cmd = [sys.executable, "-m", "MaxOffload.aot", *variants("args", name), "--target", target,
                "--topology", topology, "--output_dir", os.path.join(out, name)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("verdict", "predicted", "HBM", "error"))]

@@ -1,16 +1,21 @@
-"""The configurations the TPU device check runs on the chip and the deviceless v5e compile predicts: two sizes that
-fill a v5e's 15.75 GiB (Llama-3.1-8B width, vocab 32,768, bf16 parameters and optimizer state, 2,048 tokens a
-row: 4 layers x 4 rows, and 2 layers x 8 rows) x six policies (full remat; the five projections q/k/v and
-mlpwi_0/1 offloaded to host memory; the same kept in HBM; full remat and keep with splash attention;
-remat.policy=auto, the planner's choice). XLA's attention unless the policy says splash. Twelve train.py runs of
-~80 s each: two device calls (device_check.sh skips what its budget leaves out).
+"""The configurations the TPU device check runs on the chip and the deviceless v5e compile predicts.
+
+Llama-3.1-8B width (configs/llama3_1.py:8b, vocab 32,768, bf16 parameters and optimizer state, 2,048 tokens a row)
+at two sizes that fill a v5e's 15.75 GiB, 4 layers x 4 rows (l4b4) and 2 layers x 8 rows (l2b8), under:
+    remat        full remat                    offload   the five projections q/k/v and mlpwi_0/1 to host memory
+    keep         the five kept in HBM          auto      remat.policy=auto, the planner's choice
+    splash       full remat, splash attention  keep_splash  the five kept, splash attention (MaxText's "minimal")
+    offload_tpu_overlap  offload under the xla.preset=tpu_overlap_offload flags
+XLA's attention unless the name says splash (auto follows model.attention=auto: splash on TPUs). And DeepSeek small
+at the chip's size (ds_xla; ds_auto, splash: configs/deepseek_v3.py:small widened to 2,048, 4 layers, 16 heads with MLA
+q/k 96 and v 64, 16 routed experts of 1,408 top-4, full remat, 4 x 2,048 tokens). ~80 s a train.py run on the v5e.
 
     python benchmarks/tpu/variants.py names          the variants, one a line
-    python benchmarks/tpu/variants.py args NAME      its overrides of configs/llama3_1.py:8b, one a line
+    python benchmarks/tpu/variants.py args NAME      its train.py arguments, one a line: the config, then overrides
 """
 import sys
 
-CONFIG = "configs/llama3_1.py:8b"
+LLAMA, DEEPSEEK = "configs/llama3_1.py:8b", "configs/deepseek_v3.py:small"
 STEPS = 8  # steps 2-8 are timed (the trainer's steady mean leaves the first out)
 FIVE = ("query_proj", "key_proj", "value_proj", "mlpwi_0", "mlpwi_1")
 SIZES = {"l4b4": {"model.num_layers": 4, "train.per_device_batch_size": 4},
@@ -22,19 +27,31 @@ POLICIES = {"remat": {"remat.policy": "full"},
             "splash": {"remat.policy": "full", "model.attention": "auto"},
             "keep_splash": {"remat.policy": "full", "model.attention": "auto",
                             **{f"remat.tensors.{n}": "device" for n in FIVE}},
-            "auto": {"remat.policy": "auto"}}
+            "offload_tpu_overlap": {"remat.policy": "full", "xla.preset": "tpu_overlap_offload",
+                                    **{f"remat.tensors.{n}": "offload" for n in FIVE}},
+            "auto": {"remat.policy": "auto", "model.attention": "auto"}}
 # model.attention=xla: the runs of 2026-12-05 used XLA's attention (then `auto` on TPUs); splash is measured apart
 COMMON = {"model.vocab_size": 32768, "model.param_dtype": "bfloat16", "model.attention": "xla", "train.seq_len": 2048,
           "train.steps": STEPS, "train.warmup_steps": 2, "train.eval_every": 0, "train.eval_batches": 1,
           "run.log_every": 1, "data.source": "synthetic", "checkpoint.enabled": False}
+# DeepSeek small widened to the MLA and MoE shapes of issue 47's kernel tables
+DEEPSEEK_SMALL = {"model.emb_dim": 2048, "model.num_layers": 4, "model.first_k_dense": 1, "model.mlp_dim": 5632,
+                  "model.num_heads": 16, "model.q_lora_rank": 512, "model.kv_lora_rank": 256,
+                  "model.qk_nope_head_dim": 64, "model.qk_rope_head_dim": 32, "model.v_head_dim": 64,
+                  "model.num_experts": 16, "model.num_experts_per_tok": 4, "model.moe_mlp_dim": 1408,
+                  "model.rope_original_max_len": 2048, "train.per_device_batch_size": 4, "remat.policy": "full"}
 # fixed policies first, the planner's last (its compiles on the chip cost the most)
 ORDER = [(size, policy) for size in SIZES for policy in POLICIES if policy != "auto"] + [(size, "auto") for size in SIZES]
-VARIANTS = {f"{size}_{policy}": {**COMMON, **SIZES[size], **POLICIES[policy]} for size, policy in ORDER}
-# (2026-12-05's device check ran remat, offload, keep and auto: the splash rows are for the next chip session)
+VARIANTS = {f"{size}_{policy}": (LLAMA, {**COMMON, **SIZES[size], **POLICIES[policy]}) for size, policy in ORDER}
+VARIANTS.update({f"ds_{attention}": (DEEPSEEK, {**COMMON, **DEEPSEEK_SMALL, "model.attention": attention})
+                 for attention in ("xla", "auto")})
+# (2026-12-05's device check ran remat, offload, keep and auto with XLA's attention)
 
 
-def overrides(name):
-    return [f"{key}={value}" for key, value in VARIANTS[name].items()]
+def arguments(name):
+    """train.py's arguments for variant `name`: the config, then its overrides."""
+    config, overrides = VARIANTS[name]
+    return [config, *(f"{key}={value}" for key, value in overrides.items())]
 
 
 def main(argv):
@@ -45,7 +62,7 @@ def main(argv):
         print("\n".join(VARIANTS))
         return 0
     if len(argv) == 2 and argv[0] == "args" and argv[1] in VARIANTS:
-        print("\n".join(overrides(argv[1])))
+        print("\n".join(arguments(argv[1])))
         return 0
     print(f"error: give `names` or `args NAME` (NAME one of {', '.join(VARIANTS)}), got {' '.join(argv) or 'nothing'}",
           file=sys.stderr)

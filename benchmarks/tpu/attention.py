@@ -1,0 +1,130 @@
+"""Causal attention on this machine's TPU, kernel by kernel, side by side in one run (issue 47's kernel table):
+
+    python benchmarks/tpu/attention.py [--json PATH] [--repeats 10]
+
+One forward + backward (the value of sum(attention . w) and the gradients of q, k, v; bf16 inputs) at three shapes:
+
+    llama8b_gqa      Llama-3.1-8B: 4 x 2,048 tokens, 32 heads, 8 kv heads, head dim 128
+    deepseek_small   DeepSeek small's MLA: 4 x 2,048 tokens, 16 heads, q/k head dim 96, v 64
+    deepseek_v3_tp4  DeepSeek-V3's MLA per chip at a 4-way tensor split: 1 x 4,096 tokens, 32 heads, q/k 192, v 128
+
+by each kernel:
+
+    xla               models/layers.causal_attention (model.attention=xla): query blocks of 512 against the keys
+                      they can see
+    splash_512        jax's Pallas splash kernel (models/kernels.splash_attention), blocks of 512, splash's separate
+                      dq and dkv backward kernels (MaxText's defaults)
+    splash_512_fused  blocks of 512, the fused backward
+    splash            what model.attention=auto runs on TPUs: the largest block of 1024/512/256/128 that divides the
+                      sequence, the fused backward
+
+Median of --repeats timed calls after a warm-up, every kernel in this one process; temporaries from the compiled
+program's memory analysis; TFLOP/s of the causal half's matmuls (3 x 2 (d + dv) per visible pair and head);
+largest |out - xla's out|. Prints a markdown table and writes --json.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+SHAPES = {"llama8b_gqa": dict(batch=4, length=2048, heads=32, kv_heads=8, qk_dim=128, v_dim=128),
+          "deepseek_small": dict(batch=4, length=2048, heads=16, kv_heads=16, qk_dim=96, v_dim=64),
+          "deepseek_v3_tp4": dict(batch=1, length=4096, heads=32, kv_heads=32, qk_dim=192, v_dim=128)}
+KERNELS = {"xla": None, "splash_512": ("splash:512", False), "splash_512_fused": ("splash:512", True),
+           "splash": ("splash", True)}
+
+
+def attention_fn(name):
+    from MaxOffload.models import kernels, layers
+
+    if KERNELS[name] is None:
+        return lambda q, k, v: layers.causal_attention(q, k, v, None)
+    kernel, fused = KERNELS[name]
+    return lambda q, k, v: kernels.splash_attention(q, k, v, None, kernel=kernel, fused_backward=fused)
+
+
+def step(name):
+    import jax
+    import jax.numpy as jnp
+
+    attend = attention_fn(name)
+
+    def loss(q, k, v, w):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * w)
+
+    return jax.jit(lambda q, k, v, w: (attend(q, k, v), jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, w)))
+
+
+def causal_flops(batch, length, heads, qk_dim, v_dim, **_):
+    return 3 * 2 * (qk_dim + v_dim) * length * (length + 1) // 2 * heads * batch
+
+
+def measure(name, arrays, repeats):
+    import jax
+
+    fn = step(name)
+    compiled = fn.lower(*arrays).compile()
+    out = jax.block_until_ready(compiled(*arrays))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(compiled(*arrays))
+        times.append(time.perf_counter() - started)
+    return out[0], statistics.median(times), compiled.memory_analysis().temp_size_in_bytes
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default="")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    print(f"devices: {jax.devices()}", flush=True)
+    rows = []
+    for shape_name, s in SHAPES.items():
+        rng = np.random.default_rng(0)
+        dims = ((s["batch"], s["length"], s["heads"], s["qk_dim"]), (s["batch"], s["length"], s["kv_heads"], s["qk_dim"]),
+                (s["batch"], s["length"], s["kv_heads"], s["v_dim"]))
+        arrays = [jnp.asarray(rng.standard_normal(d), jnp.bfloat16) for d in dims]
+        arrays.append(jnp.asarray(rng.standard_normal(s["v_dim"]), jnp.float32))
+        reference = None
+        for name in KERNELS:
+            try:
+                out, seconds, temp = measure(name, arrays, args.repeats)
+            except Exception as e:  # a kernel this jax or chip cannot run: a row saying so, the others still run
+                rows.append({"shape": shape_name, "kernel": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"{shape_name} {name}: FAILED {rows[-1]['error']}", flush=True)
+                continue
+            out = np.asarray(out.astype(jnp.float32))
+            reference = out if reference is None else reference
+            row = {"shape": shape_name, **s, "kernel": name, "seconds": seconds, "temp_bytes": temp,
+                   "tflops": causal_flops(**s) / seconds / 1e12, "max_abs_diff_vs_xla": float(np.abs(out - reference).max())}
+            rows.append(row)
+            print(f"{shape_name} {name}: {seconds * 1e3:.2f} ms, {temp / 2**20:.0f} MiB temporaries, "
+                  f"{row['tflops']:.1f} TFLOP/s, |out - xla| {row['max_abs_diff_vs_xla']:.3g}", flush=True)
+    print("\n| shape | kernel | ms (fwd + bwd) | xla / this | temporaries MiB | TFLOP/s (causal half) | max abs diff vs xla |")
+    print("|---|---|---|---|---|---|---|")
+    base = {r["shape"]: r["seconds"] for r in rows if r["kernel"] == "xla" and "seconds" in r}
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['kernel']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        ratio = base[r["shape"]] / r["seconds"] if r["shape"] in base else float("nan")
+        print(f"| {r['shape']} | {r['kernel']} | {r['seconds'] * 1e3:.2f} | {ratio:.2f}x | {r['temp_bytes'] / 2**20:.0f} "
+              f"| {r['tflops']:.1f} | {r['max_abs_diff_vs_xla']:.3g} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "repeats": args.repeats,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
