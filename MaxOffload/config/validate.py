@@ -92,7 +92,15 @@ def _validate_remat(cfg):
     config = models.model_config(cfg.model)
 
     def tagged():
-        return models.tagged_names(config)
+        """What the model tags; with model.attention=auto/flash also what it tags on TPUs, where splash attention
+        names its residuals 'context' (the platform is not known yet when a config is read)."""
+        from MaxOffload.models import kernels
+
+        found = models.tagged_names(config)
+        if config.attention in ("auto", "flash"):
+            on_tpu = models.tagged_names(kernels.for_platform(config, "tpu"))
+            found += tuple(n for n in on_tpu if n not in found)
+        return found
 
     _choice("remat.policy", cfg.remat.policy, policy.ACCEPTED)
     _check_tensors("remat.tensors", cfg.remat.tensors, family, tagged)

@@ -117,14 +117,18 @@ def build(config, plan, rngs, layout=None, numerics=None):
 @functools.lru_cache(maxsize=None)
 def tagged_names(config):
     """The vocabulary names the model of `config` tags, read off the jaxpr of its forward pass (traced with
-    abstract parameters under full remat: nothing is allocated, compiled or run, and no backend starts)."""
+    abstract parameters under full remat: nothing is allocated, compiled or run, and no backend starts); a
+    sequence of one splash block where the model runs splash attention (whose residuals it names)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from MaxOffload.models import kernels
     from MaxOffload.offload import names
 
     graphdef, state = nnx.split(abstract_model(config))
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    kernel = getattr(config, "attention", "")
+    length = (config.attention_block or kernels.SPLASH_LANES) if kernels.is_splash(kernel) else 8
+    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
     return tuple(n for n in names.traced(jaxpr.jaxpr) if n in names.VOCABULARY)

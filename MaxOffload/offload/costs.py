@@ -136,7 +136,7 @@ def cost_model(mc, groups, m, seq_len, pinned=None, numerics=None):
             flops = 2 * elements * contraction(mc, group, name, seq_len)
             part = components.MADE_BY.get(name)
             fp8 = numerics is not None and part is not None and numerics.quantized(part)
-            forward += flops * (1 + _score_ratio(mc)) if name == names.ATTENTION_OUT else flops
+            forward += flops * (1 + _score_ratio(mc)) if name in (names.ATTENTION_OUT, names.CONTEXT) else flops
             forward_fp8 += flops if fp8 else 0.0
             if t["result"] in ("unused",):
                 continue  # the backward pass never reads it: nothing to decide

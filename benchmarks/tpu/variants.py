@@ -27,6 +27,10 @@ POLICIES = {"remat": {"remat.policy": "full"},
             "splash": {"remat.policy": "full", "model.attention": "auto"},
             "keep_splash": {"remat.policy": "full", "model.attention": "auto",
                             **{f"remat.tensors.{n}": "device" for n in FIVE}},
+            # + splash's residuals kept (remat.tensors.context=device): no second forward kernel in the backward
+            "splash_context": {"remat.policy": "full", "model.attention": "auto", "remat.tensors.context": "device"},
+            "keep_splash_context": {"remat.policy": "full", "model.attention": "auto", "remat.tensors.context": "device",
+                                    **{f"remat.tensors.{n}": "device" for n in FIVE}},
             "offload_tpu_overlap": {"remat.policy": "full", "xla.preset": "tpu_overlap_offload",
                                     **{f"remat.tensors.{n}": "offload" for n in FIVE}},
             "auto": {"remat.policy": "auto", "model.attention": "auto"}}
