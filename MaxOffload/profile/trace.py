@@ -3,7 +3,11 @@
 Device work is found where each backend puts it:
   GPU: planes `/device:GPU:N`, lines `Stream #N(...)` (kernels, memcpys carrying their bytes in stats);
   CPU: the host plane's runtime threads, events carrying an `hlo_op` stat (one per XLA op / thunk),
-       tagged with `device_ordinal` and `run_id` (one id per execution of a program).
+       tagged with `device_ordinal` and `run_id` (one id per execution of a program);
+  TPU: planes `/device:TPU:N`, lines `XLA Ops` (each op, named by its HLO instruction text) and `Async XLA Ops`
+       (an async op from its start to its done: host offload is a dynamic-update-slice into / dynamic-slice
+       out of a buffer in host memory, S(5), or a copy-start between the two; collectives), executions told
+       apart by the `XLA Modules` line's events (name and run_id), which span their ops (tpu_event).
 Only the program with the most device time in the window (the training step) is kept, one device.
 """
 import collections
@@ -80,6 +84,60 @@ def _label(name, stats):
     return str(op)
 
 
+_TPU_LINES = ("XLA Ops", "Async XLA Ops")
+_ASYNC = re.compile(r"-(start|done)(\.\d+)?$")
+
+
+def tpu_event(line, text):
+    """(kind, bytes) of an op on a TPU plane's `line` ('XLA Ops' | 'Async XLA Ops'), from its HLO instruction
+    `text` ("%name = shape op(operands), attributes": the event's name there). On the async line: a
+    dynamic-update-slice into host memory (S(5)) is device -> host, its update's bytes; a dynamic-slice or slice
+    out of it host -> device, the slice's bytes; a copy-start by where its destination (the first array of its
+    result) and source lie; collectives; other async ops (slices and copies within the chip's memories) 'other'. On
+    the ops line an async op's start / done marks its issue (its transfer is on the async line): 'other', as are
+    buffer allocations; the rest is compute, or a collective."""
+    from MaxOffload import hlo
+
+    name, _, rest = text.partition(" = ")
+    name = name.strip().lstrip("%")
+    op = re.search(r"\s([\w\-]+)\(", " " + rest)
+    op = op.group(1) if op else ""
+    if line == "XLA Ops":
+        if _ASYNC.search(name) or "AllocateBuffer" in rest:
+            return OTHER, 0
+        return (COLLECTIVE, 0) if _COLLECTIVE.search(op) else (COMPUTE, 0)
+    arrays = [a for a in hlo.arrays(rest.split(f" {op}(")[0] if op else rest) if a.dims]  # the result's arrays
+    if any(a.host for a in arrays) or hlo.HOST_MEMORY_SPACE in rest:
+        device = [a for a in arrays if not a.host]
+        moved = max((a.bytes for a in device), default=0)  # the update (into host) or the slice (out of it)
+        if name.startswith("copy-start") and arrays:
+            return (D2H if arrays[0].host else H2D), arrays[0].bytes
+        if "update-slice" in name:
+            return D2H, moved
+        if "slice" in name:
+            return H2D, moved
+    if _COLLECTIVE.search(name):
+        return COLLECTIVE, 0
+    return OTHER, 0
+
+
+def _tpu_events(plane):
+    """(step key, module, Event) of a TPU plane's ops, each in the execution (`XLA Modules` event) that holds it."""
+    lines = {line.name: list(line.events) for line in plane.lines}
+    runs = sorted((float(e.start_ns), float(e.start_ns) + float(e.duration_ns), e.name,
+                   dict(e.stats).get("run_id")) for e in lines.get("XLA Modules", []))
+    for line_name in _TPU_LINES:
+        for event in lines.get(line_name, []):
+            start = float(event.start_ns)
+            run = next((r for r in runs if r[0] <= start <= r[1]), None)
+            if run is None:
+                continue  # outside every execution of a program
+            kind, moved = tpu_event(line_name, event.name)
+            yield run[3], run[2].split("(")[0], Event(
+                line=f"{plane.name}/{line_name}", start=start, end=start + float(event.duration_ns), kind=kind,
+                name=event.name.split(" = ")[0].lstrip("%"), bytes=moved)
+
+
 def _planes(path):
     """The planes of one .xplane.pb; ConfigError (one line) when it is not a readable trace."""
     from jax.profiler import ProfileData
@@ -96,6 +154,10 @@ def _raw_events(xplane_files):
     for path in xplane_files:
         host = os.path.basename(path).split(".xplane.pb")[0]
         for plane in _planes(path):
+            if plane.name.startswith("/device:TPU"):
+                for step, module, event in _tpu_events(plane):
+                    yield plane.name, step, module, event
+                continue
             gpu = plane.name.startswith("/device:GPU")
             if not gpu and not plane.name.startswith("/host:CPU"):
                 continue
