@@ -124,7 +124,7 @@ def format_report(r):
             (f"HBM per device: needs {gib(r['hbm_bytes_per_device'])} ({r['refused_of']}) of "
              f"{gib(r['hbm_available_bytes'])} " if r["hbm_bytes_per_device"] else "HBM per device: ") +
             f"({r['refused']})",
-            "verdict: DOES NOT FIT (keep fewer activations: a smaller remat.policy, offload some, or more devices)"])
+            f"verdict: DOES NOT FIT ({memory.FIT_ADVICE})"])
     verdict = "FITS" if r["hbm_fits"] else "DOES NOT FIT"
     lines = [f"{r['params_total'] / 1e9:,.4g}B parameters on {r['devices']} x {r['accelerator']} "
              f"(topology {r['topology']}, mesh {r['mesh']}); compiled in {r['compile_time_s']:.1f} s",

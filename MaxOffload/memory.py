@@ -49,6 +49,30 @@ def compile_or_refusal(setup):
         return refusal
 
 
+FIT_ADVICE = ("keep fewer activations (a smaller remat.policy, e.g. full; or remat.tensors.NAME=offload), a smaller "
+              "train.per_device_batch_size, or more devices")
+
+
+def compile_or_config_error(compile_fn, what="the training step"):
+    """compile_fn()'s compiled program; a compiler's refusal for want of device memory (libtpu checks the fit at
+    compile) as a ConfigError: one line with the bytes needed and available and what to change (exit 2)."""
+    from MaxOffload.errors import ConfigError
+    from MaxOffload.reports import gib
+
+    try:
+        return compile_fn()
+    except Exception as e:  # jax's runtime error type moved between versions: read the status it carries
+        refusal = out_of_memory(e)
+        if refusal is None:
+            raise
+    if refusal["needed"] is None:
+        raise ConfigError(f"{what} does not fit the device's memory ({refusal['message'][:160]}): {FIT_ADVICE}")
+    needs = "its temporaries need" if refusal["of"] == "temporaries" else "it needs"
+    raise ConfigError(f"{what} does not fit the device's memory: {needs} {gib(refusal['needed'])} of "
+                      f"{gib(refusal['available'])}; {FIT_ADVICE} (python -m MaxOffload.aot checks a fit without the "
+                      "chip)")
+
+
 def refused_hbm(refusal, reference):
     """HBM per device a refused program needed: the refusal's total, or, where libtpu counted only temporaries,
     those + the arguments and outputs of `reference` (a compiled program of the same step: the same state)."""

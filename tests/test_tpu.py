@@ -283,3 +283,26 @@ def test_the_overlap_report_reads_a_tpu_trace(tmp_path):
     mean = report["mean"]
     assert mean["d2h"]["bytes"] == mean["h2d"]["bytes"] == 4 * per_layer
     assert 0.25 < mean["exposed_s"] < 0.29 and 0.40 < mean["compute_s"] < 0.48
+
+
+def test_a_step_the_compiler_refuses_for_memory_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """train.py where libtpu refuses the step at compile (its message as the v5e gave it for save_all): one line with
+    the bytes needed and available and what to change, exit 2, not a traceback; other compile errors stay errors."""
+    import sys
+
+    from MaxOffload.train import step
+
+    sys.path.insert(0, ROOT)
+    import train
+
+    refusal = RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+                           "hbm. Used 27.60G of 15.75G hbm. Exceeded hbm capacity by 11.85G.")
+    monkeypatch.setattr(step.TrainSetup, "compile_train_step", lambda self: (_ for _ in ()).throw(refusal))
+    argv = [*TINY, f"run.output_dir={tmp_path}", "train.steps=1", "train.warmup_steps=0", "checkpoint.enabled=false"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the training step does not fit the device's memory: it needs "
+                                               "27.60 GiB of 15.75 GiB; keep fewer activations"), err
+    assert memory.compile_or_config_error(lambda: "compiled") == "compiled"
+    with pytest.raises(ValueError):
+        memory.compile_or_config_error(lambda: (_ for _ in ()).throw(ValueError("INVALID_ARGUMENT: shapes")))

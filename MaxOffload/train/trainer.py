@@ -14,7 +14,7 @@ import numpy as np
 import jax
 
 from MaxOffload import data as data_lib
-from MaxOffload import from_config, hardware
+from MaxOffload import from_config, hardware, memory
 from MaxOffload.models import kernels
 from MaxOffload.config.loader import describe
 from MaxOffload.errors import ConfigError
@@ -334,7 +334,8 @@ class Training:
         cfg, setup = self.cfg, self.setup
         self.say("compiling the training step ...")
         started = time.perf_counter()
-        train_step, eval_step = setup.compile_train_step(), setup.compile_eval_step()
+        train_step = memory.compile_or_config_error(setup.compile_train_step)
+        eval_step = memory.compile_or_config_error(setup.compile_eval_step, "the evaluation step")
         self.summary["compile_time_s"] = time.perf_counter() - started
         self.summary["compiled_memory"] = compiled_memory(train_step)
         self.say(describe_compiled_memory(self.summary["compiled_memory"]))
