@@ -186,7 +186,7 @@ class Matmul:
     @property
     def component(self):
         tokens = re.findall(r"[A-Za-z_][\w]*", self.op_name)
-        if "ragged_dot" in self.op_name:
+        if "ragged_dot" in self.op_name or self.kind == "ragged_dot":  # XLA:TPU's kernel may carry no op name
             return components.EXPERTS
         return next((t for t in reversed(tokens) if t in components.ALL), "other")
 
@@ -230,6 +230,20 @@ class Counter:
             m.rematted = True
         return found
 
+    def masked_groups(self, computation):
+        """E when `computation` is XLA:TPU's masked grouped convolution (a fusion named convolution_select_fusion*
+        with a parameter output_mask pred[E, rows]: `jax.lax.ragged_dot`'s gradient for its rhs, the expert weights,
+        rows sorted by expert): its convolution is written dense over E experts x every row, but the chip skips
+        the masked rows (DeepSeek small on the v5e stepped in 0.195 s where the dense count alone needs 0.14 s at
+        the chip's peak: benchmarks/results/tpu_v5e_2026-12-06), so the audit counts each row once: the dense
+        count / E. Else 0."""
+        if not computation.startswith("convolution_select_fusion"):
+            return 0
+        mask = next((i for i in self.module.computations.get(computation, ())
+                     if i.opcode == "parameter" and i.name.startswith("output_mask")), None)
+        shape = dims(mask.shape) if mask is not None else []
+        return shape[0] if len(shape) == 2 else 0
+
     def instruction(self, ins, computation, times=1, stack=(), cloned=False, rematted=False):
         """[Matmul] of one instruction of `computation` run `times` times."""
         out, shapes, here = self.out, self.module.shapes(computation), cloned or ".remat" in ins.name
@@ -240,6 +254,10 @@ class Counter:
                 out.dense_ragged_dots.append((ins.op_name, found[-1].flops))
             return found
         if ins.opcode == "convolution":  # XLA:TPU writes a matmul as a convolution (dim_labels, a window)
+            groups = self.masked_groups(computation)
+            if groups:  # the routed experts' weight gradient: each row meets its own expert's block
+                return [Matmul(convolution_flops(ins, shapes) / groups * times, MASKED_GROUPED_CONVOLUTION, "dot",
+                               here, times, weight_gradient=True)]
             return [Matmul(convolution_flops(ins, shapes) * times, ins.op_name, "dot", here, times)]
         if ins.opcode == "custom-call" and ins.target() == "tpu_custom_call":
             kind, flops = tpu_kernel_flops(ins)  # 0 for the metadata kernels (ragged-dot-metadata)
@@ -290,6 +308,11 @@ def tpu_ragged_dot_flops(ins):
     layouts list the group metadata, then lhs [rows, K] and rhs [groups, K, N]; each row meets one group's matrix."""
     lhs = next((d for d in _tpu_operands(ins) if len(d) == 2 and d[0] == (dims(ins.shape) or [0])[0]), None)
     return 2 * math.prod(dims(ins.shape)) * lhs[1] if lhs else 0
+
+
+# the op name the audit gives XLA:TPU's masked grouped convolution (Counter.masked_groups), which carries none: a
+# backward ragged_dot (the routed experts' component, the backward phase)
+MASKED_GROUPED_CONVOLUTION = "transpose(ragged_dot): the expert weights' gradient (XLA:TPU masked grouped convolution)"
 
 
 def tpu_splash_flops(ins):

@@ -87,6 +87,39 @@ def test_the_audit_counts_xla_tpu_native_ragged_dot():
     assert [(m.kind, m.component) for m in count.matmuls] == [("ragged_dot", "routed_experts")]
 
 
+# XLA:TPU's gradient of ragged_dot for its expert weights (DeepSeek small on a deviceless v5e): a convolution over
+# every row per expert, the others' rows masked by output_mask
+MASKED = """HloModule m, is_scheduled=true
+
+%convolution_select_fusion.clone.1 (kernel.20: bf16[4096,128], activations.20: bf16[4096,256], output_mask.6: pred[16,4096]) -> bf16[16,256,128] {
+  %activations.20 = bf16[4096,256]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  %output_mask.6 = pred[16,4096]{1,0:T(8,128)(4,1)S(1)} parameter(2)
+  %fusion.1056 = bf16[16,4096,256]{2,1,0:T(8,128)(2,1)} fusion(%activations.20, %output_mask.6), kind=kLoop, calls=%activations_select_fusion.clone.1
+  %kernel.20 = bf16[4096,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %fusion.1057 = bf16[16,4096,128]{2,1,0:T(8,128)(2,1)} fusion(%kernel.20, %output_mask.6), kind=kLoop, calls=%kernel_select_fusion.clone.1
+  ROOT %convolution-base-dilated.6 = bf16[16,256,128]{2,1,0:T(8,128)(2,1)S(1)} convolution(%fusion.1056, %fusion.1057), window={size=16 stride=15 lhs_dilate=16}, dim_labels=0fb_0io->0bf
+}
+
+ENTRY %main (k: bf16[4096,128], a: bf16[4096,256], m: pred[16,4096]) -> bf16[16,256,128] {
+  %k = bf16[4096,128]{1,0} parameter(0)
+  %a = bf16[4096,256]{1,0} parameter(1)
+  %m = pred[16,4096]{1,0} parameter(2)
+  ROOT %fusion.1129 = bf16[16,256,128]{2,1,0:T(8,128)(2,1)S(1)} fusion(%k, %a, %m), kind=kOutput, calls=%convolution_select_fusion.clone.1
+}
+"""
+
+
+def test_the_expert_weight_gradient_counts_each_row_once():
+    """Written dense over 16 experts x 4,096 rows, the masked convolution is counted as the grouped GEMM it is on the
+    chip (each row against its own expert's block), in the routed experts' backward pass."""
+    count = audit.count(hlo.parse(MASKED))
+    dense = 2 * 16 * 4096 * 256 * 128  # one (output, window) pair per expert position
+    assert count.total == dense / 16 == 2 * 4096 * 256 * 128
+    assert [(m.component, m.phase, m.weight_gradient) for m in count.matmuls] == [("routed_experts", "backward", True)]
+    plain = hlo.parse(MASKED.replace("convolution_select_fusion", "fusion_elsewhere"))
+    assert audit.count(plain).total == dense  # a convolution elsewhere keeps its dense count
+
+
 LOOP = """HloModule m, is_scheduled=true
 
 %condition (t: (s32[], f32[4])) -> pred[] {
