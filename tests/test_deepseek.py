@@ -47,7 +47,10 @@ A2A = ["mesh.exchange=all_to_all", "model.mtp_depth=1"]
 EXCHANGE_RUNS = {  # four jobs of two runs (a run on 8 CPU devices: about 25 s on one core, more on jax 0.12)
     "exchange8": {
         "single_mtp": ["single", "model.mtp_depth=1"],
-        "expert8_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A]},
+        "expert8_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A],
+        # the ragged transport GPUs and TPUs run, its primitive emulated on the CPU
+        "expert8_all_to_all_ragged": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", "mesh.exchange=all_to_all_ragged",
+                                      "model.mtp_depth=1"]},
     "exchange4": {
         "single_mtp": ["single", "model.mtp_depth=1"],
         "expert4_fsdp2_all_to_all": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", *A2A]},
@@ -59,7 +62,9 @@ EXCHANGE_RUNS = {  # four jobs of two runs (a run on 8 CPU devices: about 25 s o
         "expert4_fsdp2_half_buffer_all_gather": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", "model.mtp_depth=1",
                                                  "model.moe_buffer_factor=0.5"],
         "expert4_fsdp2_half_buffer_all_to_all": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", *A2A,
-                                                 "model.moe_buffer_factor=0.5"]},
+                                                 "model.moe_buffer_factor=0.5"],
+        "expert4_fsdp2_half_buffer_all_to_all_ragged": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", "model.mtp_depth=1",
+                                                        "mesh.exchange=all_to_all_ragged", "model.moe_buffer_factor=0.5"]},
 }
 
 
@@ -727,13 +732,17 @@ def test_destination_rows_are_the_all_gathered_choices_in_expert_order():
                                             ("expert4_fsdp2_all_to_all", "single_mtp"),
                                             ("expert8_half_buffer_all_to_all", "expert8_half_buffer_all_gather"),
                                             ("expert4_fsdp2_half_buffer_all_to_all",
+                                             "expert4_fsdp2_half_buffer_all_gather"),
+                                            ("expert8_all_to_all_ragged", "single_mtp"),
+                                            ("expert4_fsdp2_half_buffer_all_to_all_ragged",
                                              "expert4_fsdp2_half_buffer_all_gather")])
 def test_token_all_to_all_equals_the_all_gather_exchange_and_one_device(background, name, reference):
-    """mesh.exchange=all_to_all (each choice to its expert's owner and back, the padded all_to_all that XLA:CPU runs)
-    over 8 expert ranks and 4 x fsdp 2, with multi-token prediction: the losses, metrics (the MTP loss, the loads)
-    and router biases of one device (which the all-gather exchange equals: test_expert_parallel_equals_single_device),
-    and with a buffer of half a balanced step's rows the same choices dropped as the all-gather exchange drops
-    (moe/dropped_fraction > 0) and its losses."""
+    """mesh.exchange=all_to_all (each choice to its expert's owner and back, the padded all_to_all that XLA:CPU runs;
+    _ragged: the ragged transport of GPUs and TPUs, its primitive emulated here) over 8 expert ranks and 4 x fsdp 2,
+    with multi-token prediction: the losses, metrics (the MTP loss, the loads) and router biases of one device (which
+    the all-gather exchange equals: test_expert_parallel_equals_single_device), and with a buffer of half a balanced
+    step's rows the same choices dropped as the all-gather exchange drops (moe/dropped_fraction > 0) and its
+    losses."""
     code, out, err = background.result(job_of(EXCHANGE_RUNS, name), timeout=1200)
     assert code == 0, err[-3000:]
     runs = json.loads(out.strip().splitlines()[-1])

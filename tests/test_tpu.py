@@ -339,3 +339,23 @@ def test_a_step_the_compiler_refuses_for_memory_is_one_line_exit_2(tmp_path, mon
     assert memory.compile_or_config_error(lambda: "compiled") == "compiled"
     with pytest.raises(ValueError):
         memory.compile_or_config_error(lambda: (_ for _ in ()).throw(ValueError("INVALID_ARGUMENT: shapes")))
+
+
+@pytest.mark.stack("py311")
+def test_the_token_all_to_all_is_ragged_on_a_deviceless_v5e(tmp_path):
+    """mesh.exchange=all_to_all on TPUs moves the routed rows by XLA's ragged all-to-all (the padded all_to_all is the
+    CPU's transport): DeepSeek tiny over 4 expert ranks of a v5e 2x2, read in its optimized program."""
+    dump = tmp_path / "hlo"
+    result = run_cli(["-m", "MaxOffload.aot", "configs/deepseek_v3.py:tiny", "mesh.ici.expert=4", "mesh.ici.fsdp=1",
+                      "mesh.exchange=all_to_all", "--target", "v5e", "--topology", "2x2",
+                      f"run.output_dir={tmp_path / 'out'}"],
+                     env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
+                                       "--xla_dump_hlo_module_re=.*train_step.*"})
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    program = next(p for p in dump.iterdir() if p.name.endswith("after_optimizations.txt")).read_text()
+    ops = [ins for instructions in hlo.parse(program).computations.values() for ins in instructions]
+    ragged = [ins for ins in ops if ins.opcode == "ragged-all-to-all"]
+    assert any(hlo.arrays(ins.shape)[0].dtype == "bf16" for ins in ragged), "no ragged all-to-all of the rows"
+    # the plain all-to-alls left are the ragged primitive's offsets (s32), never padded rows
+    assert all(a.dtype == "s32" for ins in ops if ins.opcode == "all-to-all" for a in hlo.arrays(ins.shape))
+    assert json.loads((tmp_path / "out" / "aot_report.json").read_text())["fits"]

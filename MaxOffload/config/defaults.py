@@ -84,9 +84,10 @@ SCHEMA = {
                   for axis, mesh_axes in DEFAULT_RULES.items()},
         "exchange": ("all_gather", "how MoE layers' routed tokens reach their experts' devices (models/exchange.py): "
                                    "all_gather (tokens gathered over the expert axes, outputs reduce-scattered back) "
-                                   "| all_to_all (each token choice to its expert's owner and back; dropless; padded "
-                                   "per-rank buffers on every platform for now: exact, but up to top_k x the "
-                                   "all-gather's bytes until the ragged GPU/TPU path is built)"),
+                                   "| all_to_all (each token choice to its expert's owner and back; dropless: XLA's "
+                                   "ragged all-to-all on GPUs and TPUs, padded per-rank buffers on CPUs) | "
+                                   "all_to_all_padded | all_to_all_ragged (that transport everywhere; ragged is "
+                                   "emulated on CPUs)"),
         "context_attention": ("all_gather", "how a sequence split over the context axes attends "
                                             "(models/layers.attention): all_gather (each shard gathers the keys and "
                                             "values; xla: masks by position; flash: its kernels per chunk of "

@@ -210,8 +210,9 @@ def validate(cfg):
     from MaxOffload.models.exchange import EXCHANGES
 
     _choice("mesh.exchange", cfg.mesh.exchange, tuple(EXCHANGES))
-    _require(not (cfg.mesh.exchange == "all_to_all" and cfg.model.get("capacity_factor")),
-             f"mesh.exchange=all_to_all is dropless, but model.capacity_factor={cfg.model.get('capacity_factor')}: "
+    _require(not (cfg.mesh.exchange.startswith("all_to_all") and cfg.model.get("capacity_factor")),
+             f"mesh.exchange={cfg.mesh.exchange} is dropless, but model.capacity_factor="
+             f"{cfg.model.get('capacity_factor')}: "
              "set model.capacity_factor=0 (model.moe_buffer_factor bounds the rows), or use mesh.exchange=all_gather")
     from MaxOffload.parallel.layout import CONTEXT_ATTENTION
 

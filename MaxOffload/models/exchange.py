@@ -2,8 +2,9 @@
 dispatch (each token choice to a row of its expert's buffer), the experts' grouped matmuls on the rows a device
 holds (models/matmul.grouped) and the combine (each token's gate-weighted sum of its choices' outputs).
 `ParallelLayout.exchange` names one from EXCHANGES; a new kind is one class and one `EXCHANGES[name] = ...`
-(tests/test_moe_parts.py adds one from a test file). Two are built: `all_gather` (below) and `all_to_all`
-(AllToAllExchange: each choice to its expert's owner and back).
+(tests/test_moe_parts.py adds one from a test file). Built: `all_gather` (below) and `all_to_all`
+(AllToAllExchange: each choice to its expert's owner and back; ragged on GPUs and TPUs, padded on CPUs;
+`all_to_all_padded` / `all_to_all_ragged` fix the transport).
 
 The interface (`Exchange`): dispatch(x, experts, positions) -> (rows, row of every choice, group sizes, dropped);
 matmul_in(rows, w, sizes); matmul_out(h, w, sizes); combine(y_rows, row, gates). The matmuls' outputs are ordinary
@@ -11,9 +12,9 @@ matmul_in(rows, w, sizes); matmul_out(h, w, sizes); combine(y_rows, row, gates).
 
 `all_gather` (AllGatherExchange): the tokens are all-gathered over the `expert` mesh axes, each device runs its own
 experts on the rows routed to them, and a reduce-scatter returns the combined outputs to the tokens' owners
-(inside jax.shard_map). Against an all-to-all: a ragged all-to-all is what a GPU wants but XLA:CPU cannot run it
-(AllToAllExchange therefore pads its per-rank buffers, which moves more than this exchange until the ragged path
-is built); an all-to-all on capacity-padded buffers drops tokens or pads to the worst case, while DeepSeek-V3
+(inside jax.shard_map). Against an all-to-all: a ragged all-to-all is what a GPU or TPU wants but XLA:CPU cannot
+run it (AllToAllExchange pads its per-rank buffers there, or emulates the primitive); an all-to-all on
+capacity-padded buffers drops tokens or pads to the worst case, while DeepSeek-V3
 trains dropless. With top-8 of 256 experts on 8 expert ranks a token's choices reach several ranks
 anyway (at most 4 with DeepSeek-V3's 4-of-8 group limit when groups align with ranks, ~5 without it), so the
 all-gather sends each token to 7 remote ranks where an all-to-all would send 3-4.6 copies: within 2x of the traffic,
@@ -206,22 +207,65 @@ def destination_rows(experts, all_counts, num_local, rank):
     return first_of_expert[experts] + before_rank[experts] + within
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis, ranks):
+    """jax.lax.ragged_all_to_all's result, built from an all-gather (XLA:CPU has no ragged all-to-all): rank s sends
+    operand[input_offsets[r]:][:send_sizes[r]] to each rank r, which writes it at output[output_offsets[r] (the
+    offset s gave for r):]; the rest of `output` is kept. Exact, and differentiable as any all-gather and select;
+    it moves every rank's whole operand, so it is for CPU meshes (the tests), not for speed. `recv_sizes` is what
+    the primitive takes; here it follows from the others."""
+    del recv_sizes
+    me = jax.lax.axis_index(axis)
+    operands, starts, sizes, offsets = (jax.lax.all_gather(a, axis) for a in (operand, input_offsets, send_sizes,
+                                                                              output_offsets))
+    j = jnp.arange(output.shape[0])
+    for sender in range(ranks):
+        start, size = offsets[sender, me], sizes[sender, me]
+        source = jnp.clip(starts[sender, me] + j - start, 0, operand.shape[0] - 1)
+        here = (j >= start) & (j < start + size)
+        output = jnp.where(here.reshape((-1,) + (1,) * (output.ndim - 1)), operands[sender][source], output)
+    return output
+
+
+def _before(counts, axis):
+    """Exclusive prefix sums of `counts` along `axis`."""
+    return jnp.cumsum(counts, axis) - counts
+
+
 class AllToAllExchange(AllGatherExchange):
     """Each token choice travels to the rank that owns its expert and its output comes back (mesh.exchange=all_to_all,
     dropless with an optional `model.moe_buffer_factor`): the ranks all-gather their per-expert counts ([ranks, E]
     integers), each choice's row in its owner's expert-ordered rows follows from them (destination_rows), a choice
     past its owner's budget is dropped (counted, as AllGatherExchange drops the same choices), and the rows move by
-    `jax.lax.all_to_all` of per-rank buffers padded to the most one rank can send another (min(choices,
-    budget)) -- the one all-to-all XLA:CPU runs, and exact. Padded, every rank sends ranks x that many rows of
-    choices where the all-gather sends its tokens: up to top_k x the all-gather's bytes, so on GPUs and TPUs this
-    waits for its ragged path (jax.lax.ragged_all_to_all with the same counts and rows), which is not built yet.
+    one of two transports:
+
+    ragged  `jax.lax.ragged_all_to_all` (GPUs and TPUs; `all_to_all` there): each rank sends its kept choices sorted
+            by owner, exactly as many rows as travel, into each owner's buffer of `budget` rows in sender order; the
+            owner puts them in expert order with a local scatter, and the outputs return the same way. The offsets
+            come from an all-gather of the [ranks] per-owner counts. On CPUs (`all_to_all_ragged` there) the
+            primitive is emulated (emulated_ragged_all_to_all: an all-gather, exact), which tests its arithmetic.
+    padded  `jax.lax.all_to_all` of per-rank buffers padded to the most one rank can send another (min(choices,
+            budget)): the one all-to-all XLA:CPU runs, and exact (`all_to_all` on CPUs; `all_to_all_padded`
+            anywhere, e.g. to avoid the ragged primitive's known failures, docs/parallelism.md). Every rank sends
+            ranks x that many rows where the ragged transport sends its choices.
     Tokens not sharded over the expert axes (nothing to exchange) and no mesh: AllGatherExchange's own steps."""
+
+    transport = "auto"  # ragged on GPUs and TPUs, padded on CPUs
 
     def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
         super().__init__(layout, num_experts, capacity, kernel, buffer_factor, numerics)
         if capacity:
             raise ValueError("mesh.exchange=all_to_all is dropless: model.capacity_factor must be 0")
         self.ranks = logical.ways(layout.mesh, self.ep) if self.mesh is not None and self.gather else 1
+        self.on = "cpu" if self.mesh is None else self.mesh.devices.flat[0].platform
+        self.on = "gpu" if self.on in ("gpu", "cuda", "rocm") else self.on
+        if self.transport == "auto":
+            self.transport = "padded" if self.on == "cpu" else "ragged"
+
+    def describe(self):
+        """One line for the log: the transport and, on CPUs, that the ragged primitive is emulated."""
+        emulated = " (emulated by an all-gather: XLA:CPU has no ragged all-to-all)" if (
+            self.transport == "ragged" and self.on == "cpu") else ""
+        return f"token all-to-all over {self.ranks} expert ranks: {self.transport} transport{emulated}"
 
     def _sizes(self, local_choices):
         """(rows a rank holds: `budget`, rows one rank can send another: `chunk`) for `local_choices` per rank."""
@@ -229,6 +273,13 @@ class AllToAllExchange(AllGatherExchange):
         if self.buffer_factor:
             rows = min(rows, math.ceil(self.buffer_factor * local_choices))  # x a balanced step's rows
         return rows, min(local_choices, rows)
+
+    def _ragged(self, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+        if self.on == "cpu":
+            return emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                              self.ep, self.ranks)
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=self.ep)
 
     def dispatch(self, x, experts, positions):
         if self.ranks == 1:
@@ -243,27 +294,37 @@ class AllToAllExchange(AllGatherExchange):
             row = destination_rows(choices, all_counts, self.num_local, rank)
             kept = row < budget
             owner = choices // self.num_local
-            # a kept choice's place among this rank's kept choices to the same owner (expert, then token order)
+            # kept choices in expert order (so by owner), then token order; the dropped after them
             order = jnp.argsort(jnp.where(kept, choices, self.num_experts), stable=True)
             sent = jnp.bincount(jnp.where(kept, owner, self.ranks), length=self.ranks + 1)[:self.ranks]
             place = jnp.zeros_like(choices).at[order].set(jnp.arange(choices.size))
-            slot = jnp.where(kept, owner * chunk + place - (jnp.cumsum(sent) - sent)[owner], self.ranks * chunk)
             token = jnp.arange(choices.size) // experts.shape[-1]
-            send = jnp.zeros((self.ranks * chunk, x.shape[-1]), x.dtype).at[slot].set(
-                x.reshape(-1, x.shape[-1])[token], mode="drop")
-            send_row = jnp.full((self.ranks * chunk,), budget, jnp.int32).at[slot].set(row, mode="drop")
-            received = jax.lax.all_to_all(send, self.ep, 0, 0, tiled=True)  # chunk r: from rank r
-            received_row = jax.lax.all_to_all(send_row, self.ep, 0, 0, tiled=True)
-            rows = jnp.zeros((budget, x.shape[-1]), x.dtype).at[received_row].set(received, mode="drop")
-            slot_of_row = jnp.full((budget,), self.ranks * chunk, jnp.int32).at[received_row].set(
-                jnp.arange(self.ranks * chunk, dtype=jnp.int32), mode="drop")
             mine = jax.lax.dynamic_slice_in_dim(jnp.sum(all_counts, 0), rank * self.num_local, self.num_local)
             ends = jnp.minimum(jnp.cumsum(mine), budget)
             sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
             dropped = (jnp.sum(mine) - ends[-1]).astype(jnp.float32)[None]
-            # `row` for combine: where each held row came from in the received buffer, then where each of this
-            # rank's choices finds its output in the buffer that comes back (past the end: dropped)
-            return rows, jnp.concatenate([slot_of_row, slot.astype(jnp.int32)]), sizes, dropped
+            flat = x.reshape(-1, x.shape[-1])
+            if self.transport == "ragged":
+                all_sent = jax.lax.all_gather(sent, self.ep)  # [sender, owner]: kept rows
+                offsets = (_before(sent, 0), sent, _before(all_sent, 0)[rank], all_sent[:, rank])
+                received = self._ragged(flat[token[order]], jnp.zeros((budget, x.shape[-1]), x.dtype), *offsets)
+                received_row = self._ragged(row[order].astype(jnp.int32), jnp.full((budget,), budget, jnp.int32),
+                                            *offsets)
+                slot = jnp.where(kept, place, choices.size)  # where each choice's output comes back
+                meta = all_sent.reshape(-1)
+            else:
+                slot = jnp.where(kept, owner * chunk + place - _before(sent, 0)[owner], self.ranks * chunk)
+                send = jnp.zeros((self.ranks * chunk, x.shape[-1]), x.dtype).at[slot].set(flat[token], mode="drop")
+                send_row = jnp.full((self.ranks * chunk,), budget, jnp.int32).at[slot].set(row, mode="drop")
+                received = jax.lax.all_to_all(send, self.ep, 0, 0, tiled=True)  # chunk r: from rank r
+                received_row = jax.lax.all_to_all(send_row, self.ep, 0, 0, tiled=True)
+                meta = jnp.zeros((0,), jnp.int32)
+            rows = jnp.zeros((budget, x.shape[-1]), x.dtype).at[received_row].set(received, mode="drop")
+            slot_of_row = jnp.full((budget,), received.shape[0], jnp.int32).at[received_row].set(
+                jnp.arange(received.shape[0], dtype=jnp.int32), mode="drop")
+            # `row` for combine: where each held row sits in the received buffer, where each of this rank's choices
+            # finds its output in the buffer that comes back (past its end: dropped), and (ragged) the counts sent
+            return rows, jnp.concatenate([slot_of_row, slot.astype(jnp.int32), meta.astype(jnp.int32)]), sizes, dropped
 
         rows = _spec(self.rows)
         return self._run(local, (self.tokens,) * 2, (_spec(self.rows, ()), rows, rows, rows), x, experts)
@@ -274,13 +335,33 @@ class AllToAllExchange(AllGatherExchange):
 
         def local(y_rows, row, gates):
             budget, chunk = self._sizes(gates.size)
-            slot_of_row, slot = row[:budget], row[budget:]
-            back = jnp.zeros((self.ranks * chunk, y_rows.shape[-1]), y_rows.dtype).at[slot_of_row].set(
-                y_rows, mode="drop")
-            returned = jax.lax.all_to_all(back, self.ep, 0, 0, tiled=True)  # chunk r: from rank r's experts
+            slot_of_row, slot = row[:budget], row[budget:budget + gates.size]
+            if self.transport == "ragged":
+                me = jax.lax.axis_index(self.ep)
+                all_sent = row[budget + gates.size:].reshape(self.ranks, self.ranks)
+                back = jnp.zeros((budget, y_rows.shape[-1]), y_rows.dtype).at[slot_of_row].set(y_rows, mode="drop")
+                # each sender's rows back from where they arrived to where they left
+                returned = self._ragged(back, jnp.zeros((gates.size, y_rows.shape[-1]), y_rows.dtype),
+                                        _before(all_sent[:, me], 0), all_sent[:, me], _before(all_sent, 1)[:, me],
+                                        all_sent[me])
+            else:
+                back = jnp.zeros((self.ranks * chunk, y_rows.shape[-1]), y_rows.dtype).at[slot_of_row].set(
+                    y_rows, mode="drop")
+                returned = jax.lax.all_to_all(back, self.ep, 0, 0, tiled=True)  # chunk r: from rank r's experts
             return combine(returned, slot, gates)
 
         return self._run(local, (_spec(self.rows, ()), _spec(self.rows), self.tokens), self.tokens, y_rows, row, gates)
 
 
-EXCHANGES = {"all_gather": AllGatherExchange, "all_to_all": AllToAllExchange}
+class PaddedAllToAllExchange(AllToAllExchange):
+    """mesh.exchange=all_to_all_padded: the padded transport on every platform (AllToAllExchange)."""
+    transport = "padded"
+
+
+class RaggedAllToAllExchange(AllToAllExchange):
+    """mesh.exchange=all_to_all_ragged: the ragged transport on every platform, emulated on CPUs (AllToAllExchange)."""
+    transport = "ragged"
+
+
+EXCHANGES = {"all_gather": AllGatherExchange, "all_to_all": AllToAllExchange,
+             "all_to_all_padded": PaddedAllToAllExchange, "all_to_all_ragged": RaggedAllToAllExchange}
