@@ -14,8 +14,8 @@ The engines, each its own queue (seconds):
               stalls compute for all of it.
   collective  all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute over their replica
               groups' links: NVLink inside an NVLink domain (hardware.nvlink_domain GPUs of a slice), the network
-              across. Of the gathered output (all-gather) or the input (reduce-scatter, all-to-all; twice for
-              all-reduce) a device moves (n - 1) / n: the share of members in other domains over the network, the
+              across. Of the gathered output (all-gather) or the input (reduce-scatter, all-to-all, a ragged
+              all-to-all's first operand: what it may send; twice for all-reduce) a device moves (n - 1) / n: the share of members in other domains over the network, the
               rest over NVLink, both at once (hierarchical). A permute moves its operand. Async ones (start ...
               done) run beside compute, synchronous ones stall it.
 What a stall waits for is exposed time: step = compute + exposed copy + exposed collective time (+ what is still in
@@ -249,6 +249,8 @@ class Simulation:
             seconds = moved / (self.rates.network if crosses else self.rates.nvlink)
             return self.queue(COLLECTIVE, ins, seconds, moved)
         size = result_bytes if kind == "all-gather" else operand_bytes
+        if kind == "ragged-all-to-all":  # its input, not the output buffer and offsets it also takes: at most
+            size = hlo.nbytes(shapes.get(ins.operands[0], ""))  # the rows it sends (an upper bound of what travels)
         rounds = 2 if kind == "all-reduce" else 1
         # hierarchically: the share from (or for) other domains over the network, the rest over NVLink, the two
         # at once (a flat ring across domains would be slower still: each of its links carries (n - 1) / n)

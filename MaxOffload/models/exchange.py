@@ -307,7 +307,10 @@ class AllToAllExchange(AllGatherExchange):
             if self.transport == "ragged":
                 all_sent = jax.lax.all_gather(sent, self.ep)  # [sender, owner]: kept rows
                 offsets = (_before(sent, 0), sent, _before(all_sent, 0)[rank], all_sent[:, rank])
-                received = self._ragged(flat[token[order]], jnp.zeros((budget, x.shape[-1]), x.dtype), *offsets)
+                # output buffers made from the rows they receive (zeros_like: varying over the mesh as they are), so
+                # that no gradient of a mesh-invariant buffer is all-reduced over the whole mesh in the backward pass
+                send = flat[token[order]]
+                received = self._ragged(send, jnp.zeros_like(send, shape=(budget, x.shape[-1])), *offsets)
                 received_row = self._ragged(row[order].astype(jnp.int32), jnp.full((budget,), budget, jnp.int32),
                                             *offsets)
                 slot = jnp.where(kept, place, choices.size)  # where each choice's output comes back
@@ -341,7 +344,7 @@ class AllToAllExchange(AllGatherExchange):
                 all_sent = row[budget + gates.size:].reshape(self.ranks, self.ranks)
                 back = jnp.zeros((budget, y_rows.shape[-1]), y_rows.dtype).at[slot_of_row].set(y_rows, mode="drop")
                 # each sender's rows back from where they arrived to where they left
-                returned = self._ragged(back, jnp.zeros((gates.size, y_rows.shape[-1]), y_rows.dtype),
+                returned = self._ragged(back, jnp.zeros_like(back, shape=(gates.size, y_rows.shape[-1])),
                                         _before(all_sent[:, me], 0), all_sent[:, me], _before(all_sent, 1)[:, me],
                                         all_sent[me])
             else:

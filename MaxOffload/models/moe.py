@@ -60,9 +60,11 @@ class MoE(nnx.Module):
         self.router = param(rngs, (emb_dim, num_experts), ("embed", None), param_dtype, init_std)
         for name, kind in router.state.items():  # e.g. DeepSeek-V3's selection bias
             setattr(self, name, kind(jax.numpy.zeros((num_experts,), jax.numpy.float32)))
-        self.wi_0 = param(rngs, (num_experts, emb_dim, mlp_dim), ("exp", "embed", "moe_mlp"), param_dtype, init_std)
-        self.wi_1 = param(rngs, (num_experts, emb_dim, mlp_dim), ("exp", "embed", "moe_mlp"), param_dtype, init_std)
-        self.wo = param(rngs, (num_experts, mlp_dim, emb_dim), ("exp", "moe_mlp", "embed"), param_dtype, init_std)
+        self.wi_0 = param(rngs, (num_experts, emb_dim, mlp_dim), ("exp", "exp_embed", "moe_mlp"), param_dtype,
+                          init_std)
+        self.wi_1 = param(rngs, (num_experts, emb_dim, mlp_dim), ("exp", "exp_embed", "moe_mlp"), param_dtype,
+                          init_std)
+        self.wo = param(rngs, (num_experts, mlp_dim, emb_dim), ("exp", "moe_mlp", "exp_embed"), param_dtype, init_std)
         # n shared experts of width mlp_dim are one SwiGLU of width n * mlp_dim
         self.shared = SwiGLU(emb_dim=emb_dim, mlp_dim=num_shared * mlp_dim, param_dtype=param_dtype,
                              numerics=numerics, init_std=init_std, rngs=rngs, layout=layout) if num_shared else None

@@ -30,6 +30,9 @@ DEFAULT_RULES = {
     "q_lora": ("fsdp",),
     "kv_lora": ("fsdp",),
     "exp": ("expert",),
+    # the routed experts' model dimension: FSDP-sharded like every weight's (gathered per micro-batch); [] keeps
+    # each expert whole on its owners (the expert axis alone shards them: the token all-to-all's layout)
+    "exp_embed": ("fsdp",),
     "moe_mlp": ("tensor",),
 }
 
