@@ -14,7 +14,8 @@ def reports(tmp_path_factory):
     """One deviceless compile on 4 GB200s per policy."""
     out = {}
     for policy in ("full", "save_all", "minimal_offloaded", "custom"):
-        extra = ["remat.tensors.mlpwi_0=offload", "remat.tensors.query_proj=offload"] if policy == "custom" else []
+        extra = ["remat.tensors.mlpwi_0=offload", "remat.tensors.query_proj=offload",
+                 "offload.optimizer_state=true"] if policy == "custom" else []
         directory = tmp_path_factory.mktemp(policy)
         result = run_cli(["-m", "MaxOffload.aot", *TINY, f"remat.policy={policy}", *extra, "--target", "gb200",
                           "--topology", "1x1x4", f"run.output_dir={directory}"])
@@ -86,6 +87,19 @@ def test_host_bytes_only_when_offloading(reports):
     for policy in ("minimal_offloaded", "custom"):
         r = reports[policy]
         assert r["host_temp_bytes_per_device"] == pytest.approx(r["offload_bytes_per_device_rules"], rel=0.05)
+
+
+def test_host_resident_state_is_counted_on_the_host(reports):
+    """offload.optimizer_state: XLA's compile-only GPU devices have no pinned_host memory kind, so the compile holds
+    the Adam moments in HBM; the report counts them in host memory, where the run puts them, and says so."""
+    r = reports["custom"]
+    moved = r["host_state_counted_from_shardings_bytes"]
+    assert moved == r["host_state_bytes_per_device"] > 0.6 * r["state_bytes_per_device"]  # two moments of three
+    compiled = (r["argument_bytes_per_device"] + r["output_bytes_per_device"] - r["alias_bytes_per_device"]
+                + r["temp_bytes_per_device"])
+    assert r["hbm_bytes_per_device"] == compiled - moved
+    assert r["host_bytes_per_device"] == r["host_temp_bytes_per_device"] + moved
+    assert reports["full"]["host_state_counted_from_shardings_bytes"] == 0
 
 
 def test_offloading_and_remat_lower_hbm_temporaries_vs_save_all(reports):

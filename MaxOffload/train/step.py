@@ -127,6 +127,7 @@ class TrainSetup:
         replicated = NamedSharding(mesh, PartitionSpec())
         params_kind = HOST if plan.params_on_host else DEVICE
         opt_kind = HOST if plan.optimizer_on_host else DEVICE
+        self.host_state_asked = {"params": params_kind == HOST, "opt_state": opt_kind == HOST}
         self.state_shardings = {
             "step": replicated,
             "params": jax.tree.map(lambda s: s.with_memory_kind(params_kind), param_shardings),
@@ -325,6 +326,16 @@ class TrainSetup:
             return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
 
         return int(sum(jax.tree.leaves(jax.tree.map(nbytes, self.abstract_state, self.state_shardings))))
+
+    def host_state_dropped(self):
+        """Bytes per device of the params / optimizer state asked for in pinned host memory (offload.params,
+        offload.optimizer_state) whose shardings lost that memory kind on these devices: XLA's compile-only GPU
+        devices have none, so a deviceless GPU compile holds that state in HBM. 0 where the kind is kept."""
+        def nbytes(leaf, sharding):
+            return 0 if sharding.memory_kind == HOST else math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+        return int(sum(sum(jax.tree.leaves(jax.tree.map(nbytes, self.abstract_state[part], self.state_shardings[part])))
+                       for part, asked in self.host_state_asked.items() if asked))
 
     def params_total(self):
         return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self.abstract_state["params"])))
