@@ -146,7 +146,8 @@ def format_report(r):
              f"of {gib(r['host_ram_per_gpu_bytes'])} host RAM per device ({gib(r['host_usable_bytes'])} usable): "
              f"{'FITS' if r['host_fits'] else 'DOES NOT FIT'}"]
     if r.get("host_state_counted_from_shardings_bytes"):
-        lines.append(f"  (offload.params / offload.optimizer_state: {gib(r['host_state_counted_from_shardings_bytes'])} "
+        moved = gib(r["host_state_counted_from_shardings_bytes"])
+        lines.append(f"  (offload.params / offload.optimizer_state: {moved} "
                      "of state these compile-only devices held in HBM, counted in host memory where the run puts "
                      "it; its host<->device traffic is not in the compiled step)")
     lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}")

@@ -15,8 +15,9 @@ The engines, each its own queue (seconds):
   collective  all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute over their replica
               groups' links: NVLink inside an NVLink domain (hardware.nvlink_domain GPUs of a slice), the network
               across. Of the gathered output (all-gather) or the input (reduce-scatter, all-to-all, a ragged
-              all-to-all's first operand: what it may send; twice for all-reduce) a device moves (n - 1) / n: the share of members in other domains over the network, the
-              rest over NVLink, both at once (hierarchical). A permute moves its operand. Async ones (start ...
+              all-to-all's first operand: what it may send; twice for all-reduce) a device moves (n - 1) / n: the
+              share of members in other domains over the network, the rest over NVLink, both at once
+              (hierarchical). A permute moves its operand. Async ones (start ...
               done) run beside compute, synchronous ones stall it.
 What a stall waits for is exposed time: step = compute + exposed copy + exposed collective time (+ what is still in
 flight when the last instruction ends). Each event keeps its instruction's name, its op name's models/components

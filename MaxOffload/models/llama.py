@@ -68,8 +68,8 @@ class LlamaConfig(ModelConfig):
         d = self.emb_dim
         n = names
         return {n.DECODER_LAYER_INPUT: 0, n.QUERY_PROJ: d, n.KEY_PROJ: d, n.VALUE_PROJ: d,
-                n.ATTENTION_OUT: seq_len / 2, n.CONTEXT: seq_len / 2, n.OUT_PROJ: self.num_heads * self.head_dim, n.MLPWI_0: d, n.MLPWI_1: d,
-                n.MLPWO: self.mlp_dim}
+                n.ATTENTION_OUT: seq_len / 2, n.CONTEXT: seq_len / 2, n.OUT_PROJ: self.num_heads * self.head_dim,
+                n.MLPWI_0: d, n.MLPWI_1: d, n.MLPWO: self.mlp_dim}
 
 
 class DecoderLayer(nnx.Module):

@@ -332,7 +332,8 @@ class TrainSetup:
         offload.optimizer_state) whose shardings lost that memory kind on these devices: XLA's compile-only GPU
         devices have none, so a deviceless GPU compile holds that state in HBM. 0 where the kind is kept."""
         def nbytes(leaf, sharding):
-            return 0 if sharding.memory_kind == HOST else math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+            held = 0 if sharding.memory_kind == HOST else math.prod(sharding.shard_shape(leaf.shape))
+            return held * leaf.dtype.itemsize
 
         return int(sum(sum(jax.tree.leaves(jax.tree.map(nbytes, self.abstract_state[part], self.state_shardings[part])))
                        for part, asked in self.host_state_asked.items() if asked))
