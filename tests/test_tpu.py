@@ -359,3 +359,20 @@ def test_the_token_all_to_all_is_ragged_on_a_deviceless_v5e(tmp_path):
     # the plain all-to-alls left are the ragged primitive's offsets (s32), never padded rows
     assert all(a.dtype == "s32" for ins in ops if ins.opcode == "all-to-all" for a in hlo.arrays(ins.shape))
     assert json.loads((tmp_path / "out" / "aot_report.json").read_text())["fits"]
+
+
+@pytest.mark.stack("py311")
+def test_device_check_variants_run_in_one_process(tmp_path):
+    """benchmarks/tpu/run_variants.py: two device-check variants (shrunk to the CPU's size by trailing overrides) in
+    one process, each with its own summary and log; variants of different xla.preset values refused in one line."""
+    small = ["--", "model.emb_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
+             "model.mlp_dim=128", "model.vocab_size=256", "model.num_layers=1", "train.seq_len=64",
+             "train.per_device_batch_size=1", "train.steps=3", "train.warmup_steps=1"]
+    result = run_cli(["benchmarks/tpu/run_variants.py", str(tmp_path), "l4b4_remat", "l4b4_keep", *small])
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    for name in ("l4b4_remat", "l4b4_keep"):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["steps"] == 3 and summary["final_loss"] > 0
+        assert f"{name} rc=0" in result.stdout and (tmp_path / f"{name}.log").exists()
+    mixed = run_cli(["benchmarks/tpu/run_variants.py", str(tmp_path), "l4b4_remat", "l4b4_offload_tpu_overlap"])
+    assert mixed.returncode == 2 and "different xla.preset" in mixed.stderr

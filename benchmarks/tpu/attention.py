@@ -22,7 +22,6 @@ Median of --repeats timed calls after a warm-up, every kernel in this one proces
 program's memory analysis; TFLOP/s of the causal half's matmuls (3 x 2 (d + dv) per visible pair and head);
 largest |out - xla's out|. Prints a markdown table and writes --json.
 """
-import argparse
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from MaxOffload.cli import ArgumentParser, tool  # noqa: E402  (after the path, like a tool run from a checkout)
 
 SHAPES = {"llama8b_gqa": dict(batch=4, length=2048, heads=32, kv_heads=8, qk_dim=128, v_dim=128),
           "deepseek_small": dict(batch=4, length=2048, heads=16, kv_heads=16, qk_dim=96, v_dim=64),
@@ -77,8 +77,9 @@ def measure(name, arrays, repeats):
     return out[0], statistics.median(times), compiled.memory_analysis().temp_size_in_bytes
 
 
+@tool
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default="")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)

@@ -5,12 +5,13 @@
 #   quickstart  python train.py configs/quickstart.py (real text, 300 steps)
 #   hostlink    the host link, both ways (benchmarks/tpu/host_link.py)
 #   attention   the attention kernels side by side (benchmarks/tpu/attention.py -> attention.json)
-#   variants    the variants of benchmarks/tpu/variants.py ($VARIANTS: those named, default all), one train.py process
-#               each (the allocator's peak is per process)
+#   variants    the variants of benchmarks/tpu/variants.py ($VARIANTS: those named, default all), in one process per
+#               xla.preset (benchmarks/tpu/run_variants.py: the TPU runtime starts once)
 #   profile     an xprof trace of the offload variant (profile.tar.gz), for the overlap report's TPU reading
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
-# logs.tar.gz, profile.tar.gz, attention.json. Each train.py process takes ~80 s on the v5e (TPU start-up and shut-down, init, two
-# compiles, 8 steps), so all stages need two 10-minute calls; a run is skipped, not cut, once 540 s have passed:
+# logs.tar.gz, profile.tar.gz, attention.json. A train.py process takes ~80 s on the v5e (TPU start-up and shut-down,
+# init, two compiles, 8 steps); run_variants.py keeps one process for all the variants of a preset, which is meant to
+# fit every variant in one 10-minute call (not yet tried on the chip); a run is skipped, not cut, once 540 s have passed:
 #     device run: STAGES="platform quickstart hostlink profile" bash benchmarks/tpu/device_check.sh
 #                 STAGES="attention variants" VARIANTS="l4b4_splash ds_auto" bash benchmarks/tpu/device_check.sh
 set -u -o pipefail
@@ -62,13 +63,20 @@ hostlink() {
 }
 
 variants() {
-    for name in ${VARIANTS:-$(python3 benchmarks/tpu/variants.py names)}; do
-        if [ "$(elapsed)" -gt 540 ]; then echo "$name skipped: $(elapsed) s gone"; continue; fi
-        mapfile -t args < <(python3 benchmarks/tpu/variants.py args "$name")
-        limit=$(( 585 - $(elapsed) )); [ $limit -gt 170 ] && limit=170
-        timeout "$limit" python3 train.py "${args[@]}" run.output_dir="$RUNS/$name" \
-            > "$RUNS/$name.log" 2>&1
-        echo "$name rc=$? at $(elapsed) s: $(grep '^done' "$RUNS/$name.log" | cut -c1-160)"
+    # one process per xla.preset (XLA reads its flags once), each running its variants in turn (run_variants.py:
+    # the TPU runtime starts once, not once a variant)
+    local names=(${VARIANTS:-$(python3 benchmarks/tpu/variants.py names)}) preset
+    declare -A by_preset=()
+    for name in "${names[@]}"; do
+        preset=$(python3 benchmarks/tpu/variants.py args "$name" | sed -n 's/^xla.preset=//p'); preset=${preset:-baseline}
+        by_preset[$preset]+="$name "
+    done
+    for preset in baseline $(printf '%s\n' "${!by_preset[@]}" | grep -v '^baseline$'); do
+        [ -n "${by_preset[$preset]:-}" ] || continue
+        left=$(( 540 - $(elapsed) ))
+        if [ $left -le 0 ]; then echo "${by_preset[$preset]}skipped: $(elapsed) s gone"; continue; fi
+        timeout $(( left + 60 )) python3 benchmarks/tpu/run_variants.py "$RUNS" ${by_preset[$preset]} --budget_s "$left" \
+            2>&1 | grep -v "^W0\|^I0"
     done
 }
 
