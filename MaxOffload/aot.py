@@ -47,7 +47,7 @@ def build_report(cfg, plan, target, topology):
     setup = from_config.train_setup(cfg, devices, plan)
     groups, problems, _ = activation_groups(cfg, setup)
     started = time.perf_counter()
-    compiled = memory.compile_or_refusal(setup)
+    compiled = memory.compile_or_refusal(setup.compile_train_step)
     compile_time = time.perf_counter() - started
     if isinstance(compiled, dict):  # the TPU compiler refuses a step that does not fit
         return refused_report(cfg, setup, accelerator, topology, compiled, compile_time), None

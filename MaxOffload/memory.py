@@ -37,11 +37,12 @@ def out_of_memory(error):
     return {"needed": None, "available": None, "message": line[:300], "of": None}
 
 
-def compile_or_refusal(setup):
-    """A TrainSetup's compiled step, or out_of_memory's dict when the compiler refuses it for want of memory (libtpu
-    does: it checks the fit at compile; XLA's GPU compiler leaves it to the caller)."""
+def compile_or_refusal(compile_fn):
+    """compile_fn()'s compiled program (e.g. a TrainSetup's compile_train_step), or out_of_memory's dict when the
+    compiler refuses it for want of memory (libtpu does: it checks the fit at compile; XLA's GPU compiler leaves it
+    to the caller)."""
     try:
-        return setup.compile_train_step()
+        return compile_fn()
     except Exception as e:  # jax's runtime error type moved between versions: read the status it carries
         refusal = out_of_memory(e)
         if refusal is None:
@@ -59,12 +60,9 @@ def compile_or_config_error(compile_fn, what="the training step"):
     from MaxOffload.errors import ConfigError
     from MaxOffload.reports import gib
 
-    try:
-        return compile_fn()
-    except Exception as e:  # jax's runtime error type moved between versions: read the status it carries
-        refusal = out_of_memory(e)
-        if refusal is None:
-            raise
+    refusal = compile_or_refusal(compile_fn)
+    if not isinstance(refusal, dict):
+        return refusal  # the compiled program
     if refusal["needed"] is None:
         raise ConfigError(f"{what} does not fit the device's memory ({refusal['message'][:160]}): {FIT_ADVICE}")
     needs = "its temporaries need" if refusal["of"] == "temporaries" else "it needs"

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from MaxOffload.models import matmul
+from MaxOffload.models import kernels, matmul
 from MaxOffload.parallel import logical
 
 
@@ -39,11 +39,16 @@ from MaxOffload.parallel import logical
 # the local steps
 
 
+def _before(counts, axis):
+    """Exclusive prefix sums of `counts` along `axis`."""
+    return jnp.cumsum(counts, axis) - counts
+
+
 def capacity_positions(experts, num_experts):
     """Each choice's place in its expert's queue within its sequence (token order, then choice order)."""
     b, length, k = experts.shape
     one_hot = jax.nn.one_hot(experts.reshape(b, length * k), num_experts, dtype=jnp.int32)
-    before = jnp.cumsum(one_hot, axis=1) - one_hot
+    before = _before(one_hot, 1)
     return jnp.sum(before * one_hot, -1).reshape(b, length, k)
 
 
@@ -199,10 +204,10 @@ def destination_rows(experts, all_counts, num_local, rank):
     choices (AllGatherExchange), so the rows past a budget (dropped) are the same choices. Returns the row of every
     choice in its owner's rows."""
     total = jnp.sum(all_counts, 0)  # [E]: every rank's choices per expert
-    first_of_expert = (jnp.cumsum(total.reshape(-1, num_local), 1) - total.reshape(-1, num_local)).reshape(-1)
-    before_rank = (jnp.cumsum(all_counts, 0) - all_counts)[rank]  # [E]: choices of lower ranks, per expert
+    first_of_expert = _before(total.reshape(-1, num_local), 1).reshape(-1)
+    before_rank = _before(all_counts, 0)[rank]  # [E]: choices of lower ranks, per expert
     order = jnp.argsort(experts, stable=True)
-    first_here = jnp.cumsum(all_counts[rank]) - all_counts[rank]
+    first_here = _before(all_counts[rank], 0)
     within = jnp.zeros_like(experts).at[order].set(jnp.arange(experts.size) - first_here[experts[order]])
     return first_of_expert[experts] + before_rank[experts] + within
 
@@ -224,11 +229,6 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
         here = (j >= start) & (j < start + size)
         output = jnp.where(here.reshape((-1,) + (1,) * (output.ndim - 1)), operands[sender][source], output)
     return output
-
-
-def _before(counts, axis):
-    """Exclusive prefix sums of `counts` along `axis`."""
-    return jnp.cumsum(counts, axis) - counts
 
 
 class AllToAllExchange(AllGatherExchange):
@@ -256,8 +256,7 @@ class AllToAllExchange(AllGatherExchange):
         if capacity:
             raise ValueError("mesh.exchange=all_to_all is dropless: model.capacity_factor must be 0")
         self.ranks = logical.ways(layout.mesh, self.ep) if self.mesh is not None and self.gather else 1
-        self.on = "cpu" if self.mesh is None else self.mesh.devices.flat[0].platform
-        self.on = "gpu" if self.on in ("gpu", "cuda", "rocm") else self.on
+        self.on = "cpu" if self.mesh is None else kernels.platform(self.mesh.devices.flat[0])
         if self.transport == "auto":
             self.transport = "padded" if self.on == "cpu" else "ragged"
 

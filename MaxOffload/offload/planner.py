@@ -122,7 +122,7 @@ def saved_plan(base, candidates):
 def saved_compiled_hbm(setup, candidates, full_compiled):
     """HBM per device of the step with every candidate kept: compiled, or, where the compiler refuses it (libtpu,
     over HBM), what its refusal says it needed."""
-    compiled = memory.compile_or_refusal(setup.with_plan(saved_plan(setup.plan, candidates)))
+    compiled = memory.compile_or_refusal(setup.with_plan(saved_plan(setup.plan, candidates)).compile_train_step)
     if isinstance(compiled, dict):
         needed = memory.refused_hbm(compiled, full_compiled)
         if needed is None:
@@ -276,7 +276,7 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
         variant = setup.with_plan(to_offload_plan(setup.plan, result))
         log(f"planner: confirming the plan with a compile (round {round_ + 1}) ...")
         confirmed = Trial(label, result.xla_preset, dict(result.decisions), dict(result.reasons))
-        compiled = memory.compile_or_refusal(variant)
+        compiled = memory.compile_or_refusal(variant.compile_train_step)
         if isinstance(compiled, dict):  # libtpu refuses a program over HBM: not a fit, by the bytes it needed
             confirmed.hbm, confirmed.host = memory.refused_hbm(compiled, full_compiled) or math.inf, 0.0
             confirmed.error = compiled["message"]

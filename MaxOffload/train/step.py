@@ -318,25 +318,24 @@ class TrainSetup:
         return {k: jax.make_array_from_process_local_data(self.step_batch_sharding, np.stack([b[k] for b in batches]))
                 for k in batches[0]}
 
+    def _state_bytes(self, counted, parts=None):
+        """Bytes per device of the state `parts` (default all) whose shardings `counted(sharding)` says to count."""
+        def nbytes(leaf, sharding):
+            return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize if counted(sharding) else 0
+
+        return int(sum(sum(jax.tree.leaves(jax.tree.map(nbytes, self.abstract_state[part], self.state_shardings[part])))
+                       for part in (self.state_shardings if parts is None else parts)))
+
     def state_bytes_per_device(self, memory_kind=None):
         """Bytes of params + optimizer state per device under the state shardings (in one memory kind)."""
-        def nbytes(leaf, sharding):
-            if memory_kind and (sharding.memory_kind or DEVICE) != memory_kind:
-                return 0
-            return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-
-        return int(sum(jax.tree.leaves(jax.tree.map(nbytes, self.abstract_state, self.state_shardings))))
+        return self._state_bytes(lambda s: not memory_kind or (s.memory_kind or DEVICE) == memory_kind)
 
     def host_state_dropped(self):
         """Bytes per device of the params / optimizer state asked for in pinned host memory (offload.params,
         offload.optimizer_state) whose shardings lost that memory kind on these devices: XLA's compile-only GPU
         devices have none, so a deviceless GPU compile holds that state in HBM. 0 where the kind is kept."""
-        def nbytes(leaf, sharding):
-            held = 0 if sharding.memory_kind == HOST else math.prod(sharding.shard_shape(leaf.shape))
-            return held * leaf.dtype.itemsize
-
-        return int(sum(sum(jax.tree.leaves(jax.tree.map(nbytes, self.abstract_state[part], self.state_shardings[part])))
-                       for part, asked in self.host_state_asked.items() if asked))
+        return self._state_bytes(lambda s: s.memory_kind != HOST,
+                                 [part for part, asked in self.host_state_asked.items() if asked])
 
     def params_total(self):
         return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self.abstract_state["params"])))

@@ -24,12 +24,11 @@ largest |out - xla's out|. Prints a markdown table and writes --json.
 """
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from MaxOffload.cli import ArgumentParser, tool  # noqa: E402  (after the path, like a tool run from a checkout)
+from benchmarks.common import median_seconds  # noqa: E402
 
 SHAPES = {"llama8b_gqa": dict(batch=4, length=2048, heads=32, kv_heads=8, qk_dim=128, v_dim=128),
           "deepseek_small": dict(batch=4, length=2048, heads=16, kv_heads=16, qk_dim=96, v_dim=64),
@@ -66,15 +65,9 @@ def causal_flops(batch, length, heads, qk_dim, v_dim, **_):
 def measure(name, arrays, repeats):
     import jax
 
-    fn = step(name)
-    compiled = fn.lower(*arrays).compile()
-    out = jax.block_until_ready(compiled(*arrays))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(compiled(*arrays))
-        times.append(time.perf_counter() - started)
-    return out[0], statistics.median(times), compiled.memory_analysis().temp_size_in_bytes
+    compiled = step(name).lower(*arrays).compile()
+    seconds = median_seconds(compiled, *arrays, repeats=repeats)
+    return jax.block_until_ready(compiled(*arrays))[0], seconds, compiled.memory_analysis().temp_size_in_bytes
 
 
 @tool

@@ -6,25 +6,12 @@ between the memory kinds (the runtime's own transfer), for each size; median of 
 """
 import json
 import os
-import statistics
 import sys
-import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import numpy as np
 
-
-def timed(fn, x, repeats=5):
-    import jax
-
-    jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks.common import median_seconds  # noqa: E402  (after the path, like a tool run from a checkout)
 
 
 def measure(size_mib):
@@ -43,7 +30,7 @@ def measure(size_mib):
     for label, fn, arg in (("jit d2h", to_host, x), ("jit h2d", to_device, on_host),
                            ("device_put d2h", lambda a: jax.device_put(a, host), x),
                            ("device_put h2d", lambda a: jax.device_put(a, device), on_host)):
-        seconds = timed(fn, arg)
+        seconds = median_seconds(fn, arg)
         rows[label] = {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
     return rows
 
