@@ -7,7 +7,8 @@
 #   attention   the attention kernels side by side (benchmarks/tpu/attention.py -> attention.json)
 #   variants    the variants of benchmarks/tpu/variants.py ($VARIANTS: those named, default all), in one process per
 #               xla.preset (benchmarks/tpu/run_variants.py: the TPU runtime starts once)
-#   profile     an xprof trace of the offload variant (profile.tar.gz), for the overlap report's TPU reading
+#   profile     an xprof trace of variant $PROFILE_VARIANT (default l4b4_offload, the overlap report's TPU reading),
+#               profile.tar.gz; skipped once 420 s have passed
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
 # logs.tar.gz, profile.tar.gz, attention.json. A train.py process takes ~80 s on the v5e (TPU start-up and shut-down,
 # init, two compiles, 8 steps); run_variants.py keeps one process for all the variants of a preset, which is meant to
@@ -81,7 +82,8 @@ variants() {
 }
 
 profile() {
-    mapfile -t args < <(python3 benchmarks/tpu/variants.py args l4b4_offload)
+    if [ $(elapsed) -gt 420 ]; then echo "profile skipped: $(elapsed) s gone"; return; fi
+    mapfile -t args < <(python3 benchmarks/tpu/variants.py args "${PROFILE_VARIANT:-l4b4_offload}")
     timeout 170 python3 train.py "${args[@]}" profile.mode=xprof profile.start_step=4 \
         profile.num_steps=2 run.output_dir="$RUNS/profile" > "$RUNS/profile.log" 2>&1
     echo "profile rc=$? at $(elapsed) s"; tail -3 "$RUNS/profile.log"

@@ -5,6 +5,8 @@ at two sizes that fill a v5e's 15.75 GiB, 4 layers x 4 rows (l4b4) and 2 layers 
     remat        full remat                    offload   the five projections q/k/v and mlpwi_0/1 to host memory
     keep         the five kept in HBM          auto      remat.policy=auto, the planner's choice
     splash       full remat, splash attention  keep_splash  the five kept, splash attention (MaxText's "minimal")
+    splash_context, keep_splash_context   as splash / keep_splash, and splash's residuals kept (no second forward kernel)
+    ..._b512     the same in splash blocks of 512 (MaxText's) instead of 1,024
     offload_tpu_overlap  offload under the xla.preset=tpu_overlap_offload flags
 XLA's attention unless the name says splash (auto follows model.attention=auto: splash on TPUs). And DeepSeek small
 at the chip's size (ds_xla; ds_auto, splash: configs/deepseek_v3.py:small widened to 2,048, 4 layers, 16 heads with MLA
@@ -31,6 +33,12 @@ POLICIES = {"remat": {"remat.policy": "full"},
             "splash_context": {"remat.policy": "full", "model.attention": "auto", "remat.tensors.context": "device"},
             "keep_splash_context": {"remat.policy": "full", "model.attention": "auto", "remat.tensors.context": "device",
                                     **{f"remat.tensors.{n}": "device" for n in FIVE}},
+            # splash in blocks of 512 (MaxText's default) instead of the 1,024 chosen from the kernel table
+            "splash_context_b512": {"remat.policy": "full", "model.attention": "auto", "model.attention_block": 512,
+                                    "remat.tensors.context": "device"},
+            "keep_splash_context_b512": {"remat.policy": "full", "model.attention": "auto", "model.attention_block": 512,
+                                         "remat.tensors.context": "device",
+                                         **{f"remat.tensors.{n}": "device" for n in FIVE}},
             "offload_tpu_overlap": {"remat.policy": "full", "xla.preset": "tpu_overlap_offload",
                                     **{f"remat.tensors.{n}": "offload" for n in FIVE}},
             "auto": {"remat.policy": "auto", "model.attention": "auto"}}
