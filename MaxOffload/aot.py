@@ -81,6 +81,7 @@ def build_report(cfg, plan, target, topology):
         "problems": problems, "compile_time_s": compile_time,
         "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
         "weight_gathers": {**weight_gathers(module, setup.micro_batches), "asked": setup.gather_weights},
+        "gradient_reductions": {**gradient_reductions(module, setup.micro_batches), "data_replicas": setup.replicas},
         "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform)] if w] + [f"compiled work: {w}" for w in
                                                                          work["warnings"]],
     }, simulation
@@ -109,13 +110,23 @@ def weight_gathers(module, micro_batches):
     "in_micro_batch_loop_bytes": what the gradient-accumulation loop gathers over all its trips, "where":
     "per micro-batch" when it gathers inside that loop, else "per step"}; the loop is the entry's while loop
     that runs micro_batches (or, pipelined, micro_batches - 1) times."""
-    total = module.gathered_bytes(module.entry)
+    return _in_accumulation(module, micro_batches, module.gathered_bytes)
+
+
+def gradient_reductions(module, micro_batches):
+    """Where the step reduces (gradients over the data-parallel axes, mostly): all-reduce and reduce-scatter
+    input bytes, per step and inside the accumulation loop, as weight_gathers says for gathers."""
+    return _in_accumulation(module, micro_batches, module.reduced_bytes)
+
+
+def _in_accumulation(module, micro_batches, count):
+    total = count(module.entry)
     inside = 0
     if micro_batches > 1:
         for ins in module.computations.get(module.entry, ()):
             trips = module.trip_count(ins) if ins.opcode == "while" else None
             if trips in (micro_batches, micro_batches - 1):
-                inside += module.gathered_bytes(ins.called("body"), trips)
+                inside += count(ins.called("body"), trips)
     return {"micro_batches": micro_batches, "per_step_bytes": total, "in_micro_batch_loop_bytes": inside,
             "where": "per micro-batch" if inside else "per step"}
 
@@ -163,6 +174,11 @@ def format_report(r):
                      f"gathered {gathers['where']} (train.gather_weights={gathers['asked']}, "
                      f"{gathers['micro_batches']} micro-batches; "
                      f"{gathers['in_micro_batch_loop_bytes'] / 1e9:,.4g} GB of it inside the accumulation loop)")
+    reductions = r.get("gradient_reductions")
+    if reductions and reductions["micro_batches"] > 1:
+        lines.append(f"reductions (gradients): {reductions['per_step_bytes'] / 1e9:,.4g} GB per device per step, "
+                     f"{reductions['in_micro_batch_loop_bytes'] / 1e9:,.4g} GB of it inside the accumulation loop "
+                     f"({reductions['data_replicas']} data replicas accumulating their own: train.reduce_gradients)")
     if r["problems"]:
         lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))
     lines += [f"WARNING: {w}" for w in r.get("warnings", [])]

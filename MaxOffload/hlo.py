@@ -172,16 +172,29 @@ class Module:
         """Bytes of floating-point data all-gathers produce (their results: weights and activations, not the
         integer indices a sharded lookup gathers) when `computation` runs `times` times: through while loops
         (x their trip count, 1 when unknown), calls and conditionals (their dearest branch)."""
+        return self.collective_bytes(computation, ("all-gather",), times)
+
+    def reduced_bytes(self, computation, times=1):
+        """Bytes of floating-point results all-reduces and reduce-scatters deliver (gradients, mostly; a combined
+        reduction's tuple summed), counted as gathered_bytes counts."""
+        return self.collective_bytes(computation, ("all-reduce", "reduce-scatter"), times, combined=True)
+
+    def collective_bytes(self, computation, kinds, times=1, combined=False):
+        """Bytes of floating-point data of each collective of `kinds`, summed as `computation` runs `times` times:
+        its largest array (a start's tuple holds input and output: an all-gather's result), or with `combined` the
+        sum of its result's arrays (a combined collective's tuple)."""
         total = 0
         for ins in self.computations.get(computation, ()):
-            if ins.opcode in ("all-gather", "all-gather-start"):  # a start's tuple: input, output
-                total += times * max((a.bytes for a in ins.arrays if a.dtype[0] in "fb"), default=0)
+            if ins.opcode in kinds or ins.opcode in (f"{k}-start" for k in kinds):
+                floats = [a.bytes for a in ins.arrays if a.dtype[0] in "fb"]
+                total += times * (sum(floats) if combined else max(floats, default=0))
             elif ins.opcode == "while":
-                total += self.gathered_bytes(ins.called("body"), times * (self.trip_count(ins) or 1))
+                total += self.collective_bytes(ins.called("body"), kinds, times * (self.trip_count(ins) or 1),
+                                               combined)
             elif ins.opcode == "call":
-                total += self.gathered_bytes(ins.called("to_apply") or ins.called("calls"), times)
+                total += self.collective_bytes(ins.called("to_apply") or ins.called("calls"), kinds, times, combined)
             elif ins.opcode == "conditional":
-                total += max((self.gathered_bytes(b, times) for b in ins.branches()), default=0)
+                total += max((self.collective_bytes(b, kinds, times, combined) for b in ins.branches()), default=0)
         return total
 
     def _find(self, computation, name):

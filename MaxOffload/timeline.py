@@ -313,11 +313,28 @@ def _collective(opcode):
 
 
 def replica_groups(attributes, devices):
-    """[[device ids]] of a collective: explicit `{{0,1},{2,3}}`, the iota form `[G,S]<=[dims]T(perm)`, a permute's
-    source-target pairs, or one group of every device when empty."""
+    """[[device ids]] of a collective: explicit `{{0,1},{2,3}}`, the iota form `[G,S]<=[dims]T(perm)`, the mesh form
+    `mesh['axis_0'=64,'axis_1'=2], device_ids=([2,64]T(1,0)) {'axis_0'}` (XLA 2026: the groups run along the axes
+    in braces), a permute's source-target pairs, or one group of every device when empty."""
     pairs = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attributes)
     if pairs:
         return [[int(x) for x in p.split(",") if x] for p in re.findall(r"\{([0-9,]*)\}", pairs.group(1))]
+    on_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
+                        r" \{([^}]*)\}", attributes)
+    if on_mesh:  # mesh['axis_0'=64,'axis_1'=2], device_ids=([2,64]T(1,0)) {'axis_0'}: groups along the named axes
+        import numpy as np
+
+        axes = re.findall(r"'([^']+)'=([0-9]+)", on_mesh.group(1))
+        sizes = [int(n) for _, n in axes]
+        ids = np.arange(math.prod(sizes))
+        if on_mesh.group(2):
+            ids = ids.reshape([int(x) for x in on_mesh.group(2).split(",")])
+            if on_mesh.group(3):
+                ids = ids.transpose([int(x) for x in on_mesh.group(3).split(",")])
+        ids = ids.reshape(sizes)
+        over = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in on_mesh.group(4)]
+        rest = [i for i in range(len(axes)) if i not in over]
+        return ids.transpose(rest + over).reshape(-1, math.prod(sizes[i] for i in over)).tolist()
     iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attributes)
     if iota:
         import numpy as np

@@ -56,6 +56,26 @@ def test_micro_batches_are_one_batch_under_fsdp_on_eight_devices():
     assert once["where"] == "per step" and once["in_micro_batch_loop_bytes"] == 0 and once["per_step_bytes"] > 0
 
 
+def test_per_step_reduction_over_the_data_replicas_is_one_batch():
+    """train.reduce_gradients=per_step: each data replica accumulates its own gradients and the step sums them over
+    the data axis once, after the micro-batches' loop (the compiled program's reductions say where), with the
+    result of one batch: Llama on eight data replicas, DeepSeek (balance loss, router biases, MTP) on two data
+    replicas of four expert owners exchanging tokens by all-to-all (the 671B recipe's layout). By default XLA
+    reduces every micro-batch's gradients inside the loop."""
+    data8 = ["mesh.ici.fsdp=1", "mesh.ici.data=8"]
+    found = check({"llama": [*CASES["llama"], *data8, "train.reduce_gradients=per_step"],
+                   "llama reduced per micro-batch": [*CASES["llama"], *data8],
+                   "deepseek": [*CASES["deepseek"], "mesh.ici.fsdp=1", "mesh.ici.data=2", "mesh.ici.expert=4",
+                                "mesh.exchange=all_to_all", "mesh.rules.exp_embed=[]",
+                                "train.reduce_gradients=per_step"]}, devices=8)
+    assert_one_batch(found)
+    once, each = found["llama"], found["llama reduced per micro-batch"]
+    k = each["reduced"]["micro_batches"]
+    assert each["reduced"]["in_micro_batch_loop_bytes"] >= k * each["grad_bytes"]  # every micro-batch's gradients
+    assert once["reduced"]["in_micro_batch_loop_bytes"] < 0.01 * once["grad_bytes"]  # the loss's scalars, no more
+    assert once["grad_bytes"] <= once["reduced"]["per_step_bytes"] < 2 * once["grad_bytes"]  # the gradients once
+
+
 def test_a_preempted_accumulating_run_resumes_bit_identically(tmp_path):
     args = [*TINY, "train.per_device_batch_size=1", "train.global_batch_size=2", "train.steps=16",
             "checkpoint.every_steps=4"]

@@ -104,6 +104,14 @@ def test_an_async_all_gather_overlaps_a_gemm():
     assert run(gather_module(250, "[1,4]<=[4]", 3))[0]["step_s"] == pytest.approx(4 * MS)
     across = run(gather_module(250, "{{0,4,1,5}}", 3))[0]
     assert across["collective_s"] == pytest.approx(20 * MS) and across["exposed_collective_s"] == pytest.approx(17 * MS)
+    # the mesh form of XLA 2026 (jaxlib 0.10.2's GPU compiles): groups along the axes in braces of the device ids
+    # laid out on the mesh; here two groups of 4 in one NVLink domain each ({0,1,2,3}, {4,5,6,7}), then the 4 pairs
+    # that cross the domains ({0,4}, ...: each member's whole share from the other domain, 1e6 bytes, 10 ms)
+    assert timeline.replica_groups("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) "
+                                   "{'axis_0'}, dimensions={0}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert timeline.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'},", 8)[:2] == [[0, 4], [1, 5]]
+    in_domain = "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'},"
+    assert run(gather_module(250, in_domain, 3))[0]["step_s"] == pytest.approx(4 * MS)
 
 
 def test_an_fp8_gemm_runs_at_twice_the_bf16_rate():

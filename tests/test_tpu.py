@@ -318,6 +318,23 @@ def test_the_overlap_report_reads_a_tpu_trace(tmp_path):
     assert 0.25 < mean["exposed_s"] < 0.29 and 0.40 < mean["compute_s"] < 0.48
 
 
+def test_the_step_breakdown_reads_a_tpu_trace(tmp_path):
+    """benchmarks/tpu/breakdown.py on the same trace: the step's device time from the XLA Modules line (0.711 s a
+    step as measured there), the MLP GEMMs first, forward and backward apart, with the rate XLA's FLOPs give."""
+    import tarfile
+
+    with tarfile.open(os.path.join(ROOT, "benchmarks/results/tpu_v5e_2026-12-06/profile.tar.gz")) as archive:
+        archive.extractall(tmp_path, filter="data")
+    result = run_cli(["benchmarks/tpu/breakdown.py", str(tmp_path / "profile"), "--top", "40"])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert 705 < float(lines[0].split()[1]) < 715
+    rows = {line[38:]: float(line.split()[0]) for line in lines[1:]}
+    mlp = [ms for name, ms in rows.items() if name.endswith("mlp/weight_matmul")]
+    assert len(mlp) == 2 and 1.8 < max(mlp) / min(mlp) < 2.3  # the backward's two GEMMs against the forward's one
+    assert max(rows.values()) < float(lines[0].split()[1])
+
+
 def test_a_step_the_compiler_refuses_for_memory_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     """train.py where libtpu refuses the step at compile (its message as the v5e gave it for save_all): one line with
     the bytes needed and available and what to change, exit 2, not a traceback; other compile errors stay errors."""

@@ -31,6 +31,11 @@ SCHEMA = {
         "gather_weights": ("per_micro_batch", "with grad_accum_steps > 1, where the fsdp-sharded weights are "
                                               "all-gathered: per_micro_batch (in each micro-batch's passes: least "
                                               "HBM) | per_step (once, held in HBM through the step: least traffic)"),
+        "reduce_gradients": ("per_micro_batch", "with grad_accum_steps > 1 and mesh data > 1, where the gradients "
+                                                "are summed over the data axis (the data-parallel replicas): "
+                                                "per_micro_batch (XLA's choice: each micro-batch's) | per_step (each "
+                                                "replica accumulates its own, one reduction a step: what keeps "
+                                                "replicas across racks, mesh.dcn.data, off the network)"),
         "global_batch_size": (0, "sequences per optimizer step instead of grad_accum_steps (0: unset): the run "
                                  "derives grad_accum_steps = global_batch_size / (per_device_batch_size x devices), "
                                  "which must divide; set one of the two"),

@@ -162,6 +162,7 @@ def validate(cfg):
     _positive(cfg, "run.log_every", "train.steps", "train.per_device_batch_size", "train.seq_len",
               "train.eval_batches", "train.grad_accum_steps")
     _choice("train.gather_weights", train.gather_weights, ("per_micro_batch", "per_step"))
+    _choice("train.reduce_gradients", train.reduce_gradients, ("per_micro_batch", "per_step"))
     _require(train.global_batch_size >= 0, f"train.global_batch_size must be >= 0 (0: per_device_batch_size x "
                                            f"devices x grad_accum_steps), got {train.global_batch_size}")
     _require(not train.global_batch_size or train.grad_accum_steps == 1,

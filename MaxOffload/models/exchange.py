@@ -127,7 +127,7 @@ class AllGatherExchange(Exchange):
 
     def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
         super().__init__(layout, num_experts, capacity, kernel, buffer_factor, numerics)
-        self.mesh = layout.mesh
+        self.mesh, self.layout = layout.mesh, layout
         if layout.mesh is None:  # every expert local; the specs are not used
             self.ep = self.mlp = self.rows = ()
             self.tokens, self.gather, self.num_local = None, False, num_experts
@@ -148,7 +148,8 @@ class AllGatherExchange(Exchange):
         if self.mesh is None:
             return fn(*args)
         check = not (kernel and self.kernel.startswith("tokamax"))
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)(*args)
+        return jax.shard_map(fn, mesh=self.layout.current_mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=check)(*args)
 
     def dispatch(self, x, experts, positions):
         def local(x, experts, positions):

@@ -192,7 +192,7 @@ def context_attention(q, source, positions, scale, layout):
         return masked_attention(q, k, v, q_positions, gather(q_positions), scale)
 
     specs = (layout.spec(Q_AXES), source_specs, weight_specs, layout.spec(Q_AXES[:2]))
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0])(q, sources, weights,
+    return jax.shard_map(local, mesh=layout.current_mesh, in_specs=specs, out_specs=specs[0])(q, sources, weights,
                                                                                       positions)
 
 
@@ -344,7 +344,7 @@ def context_flash_attention(q, source, scale, kernel, layout):
 
     # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
     specs = (layout.spec(Q_AXES), source_specs, weight_specs)
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
+    return jax.shard_map(local, mesh=layout.current_mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
         q, sources, weights)
 
 

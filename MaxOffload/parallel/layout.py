@@ -68,9 +68,17 @@ class ParallelLayout:
         """The PartitionSpec of logical `axes` on this mesh."""
         return logical.partition_spec(axes, self.rule_map, self.mesh.axis_names)
 
+    @property
+    def current_mesh(self):
+        """The mesh placements and shard_maps name: the layout's; inside a shard_map over some of its axes (a data
+        replica's share of a micro-batch: train/step.py, reduce_gradients=per_step) the abstract mesh around them,
+        whose manual axes nothing inside names (a replica's rules leave them out)."""
+        inner = jax.sharding.get_abstract_mesh()
+        return self.mesh if inner.empty or not inner.manual_axes else inner
+
     def sharding(self, axes):
         """The NamedSharding of logical `axes`, or None without a mesh (for a kernel that runs per shard)."""
-        return None if self.mesh is None else logical.named_sharding(self.mesh, axes, self.rule_map)
+        return None if self.mesh is None else logical.named_sharding(self.current_mesh, axes, self.rule_map)
 
     def constrain(self, x, axes):
         """x placed by its logical axes (a sharding constraint); x itself without a mesh."""
@@ -87,7 +95,7 @@ class ParallelLayout:
         leading `layers` axis: the last value.ndim of them apply)."""
         if self.mesh is None:
             return value
-        return jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(self.mesh,
+        return jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(self.current_mesh,
                                                                                   self.weight_spec(value, axes)))
 
     def weight_spec(self, value, axes):

@@ -88,21 +88,24 @@ class TrainSetup:
     """
 
     def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
-                 micro_batches=1, gather_weights=PER_MICRO_BATCH, numerics=None, on_nonfinite=skip_nonfinite,
-                 context_attention="all_gather", load_balance=False):
+                 micro_batches=1, gather_weights=PER_MICRO_BATCH, reduce_gradients=PER_MICRO_BATCH, numerics=None,
+                 on_nonfinite=skip_nonfinite, context_attention="all_gather", load_balance=False):
         """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
         plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
         tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
         (gradient accumulation; a step's batch is then [micro_batches, rows, seq_len]); gather_weights: with
         several micro-batches, PER_MICRO_BATCH (the fsdp-sharded weights are all-gathered inside each micro-batch's
-        passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); numerics: the
+        passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); reduce_gradients:
+        with several micro-batches and a data axis, PER_MICRO_BATCH (XLA sums each micro-batch's gradients over the
+        data replicas) or PER_STEP (each replica accumulates its own; one sum over the data axis a step); numerics: the
         weight matmuls' models/matmul.Numerics (None: bf16 in the model's compute dtype); on_nonfinite:
         skip_nonfinite or halt_on_nonfinite; context_attention, load_balance: how a sequence split over the
         context axes attends (parallel/layout.CONTEXT_ATTENTION) and whether its tokens are laid out for balanced
         causal work. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
         self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
                           schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
-                          micro_batches=micro_batches, gather_weights=gather_weights, numerics=numerics,
+                          micro_batches=micro_batches, gather_weights=gather_weights,
+                          reduce_gradients=reduce_gradients, numerics=numerics,
                           on_nonfinite=on_nonfinite, context_attention=context_attention, load_balance=load_balance)
         self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
         self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
@@ -123,6 +126,7 @@ class TrainSetup:
         param_shardings = jax.tree.map(lambda spec: logical.named_sharding(mesh, tuple(spec), rules), logical_specs,
                                        is_leaf=lambda x: isinstance(x, PartitionSpec))
         check_divisible(abstract_params, param_shardings, mesh)
+        self.replicas, self.replica_graphdef = self._replicas(reduce_gradients, param_shardings)
         self.abstract_state = jax.eval_shape(self._init)
         replicated = NamedSharding(mesh, PartitionSpec())
         params_kind = HOST if plan.params_on_host else DEVICE
@@ -166,8 +170,28 @@ class TrainSetup:
         variant."""
         return TrainSetup(plan=plan, **self._args)
 
-    def _model(self):
-        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.seed), self.layout, self.numerics)
+    def _model(self, layout=None):
+        return models.build(self.model_config, self.plan, nnx.Rngs(params=self.seed), layout or self.layout,
+                            self.numerics)
+
+    def _replicas(self, reduce_gradients, param_shardings):
+        """(data replicas that accumulate their own gradients, the model's graphdef for one replica's share of a
+        micro-batch) under reduce_gradients=PER_STEP with several micro-batches and a data axis; else (1, None).
+        A replica's model is laid out by the rules without the data axis: `gradients` runs it in a shard_map manual
+        over that axis (parallel/layout.current_mesh)."""
+        data = self.mesh.shape["data"]
+        if reduce_gradients != PER_STEP or self.micro_batches == 1 or data == 1:
+            return 1, None
+        on_data = [s for s in jax.tree.leaves(param_shardings)
+                   if any("data" in logical.spec_axes(entry) for entry in s.spec)]
+        if on_data:
+            raise ConfigError(f"train.reduce_gradients=per_step sums each data replica's gradients once a step, but "
+                              f"mesh.rules shard a weight over the data axis ({on_data[0].spec}); take `data` out of "
+                              "the weights' rules or use train.reduce_gradients=per_micro_batch")
+        rules = {axis: tuple(a for a in mesh_axes if a != "data") for axis, mesh_axes in self.layout.rules}
+        layout = ParallelLayout.of(self.mesh, rules, self.layout.exchange, self.layout.context_attention,
+                                   self.layout.load_balance)
+        return data, nnx.split(nnx.eval_shape(lambda: self._model(layout)), nnx.Param, ...)[0]
 
     def _init(self):
         weights = models.weights(self._model())
@@ -184,12 +208,13 @@ class TrainSetup:
         variables, applied after the step) and what its family's `target_losses` consumes."""
         return _outputs(nnx.merge(self.graphdef, params, model_state), inputs)
 
-    def loss(self, params, model_state, batch, count=None, micro_batches=1):
+    def loss(self, params, model_state, batch, count=None, micro_batches=1, graphdef=None):
         """(objective, aux): mean next-token cross-entropy + the model's aux_loss + its family's losses of the
         targets (models/stack.DecoderModel.target_losses, e.g. DeepSeek-V3's weighted multi-token prediction).
         One micro-batch of a step: `count` is the whole step's number of target positions, and the other terms
-        are divided by `micro_batches`, so that the micro-batches' objectives sum to the step's."""
-        model = nnx.merge(self.graphdef, params, model_state)
+        are divided by `micro_batches`, so that the micro-batches' objectives sum to the step's. `graphdef`: the
+        model's (default: self.graphdef; a data replica's share: self.replica_graphdef)."""
+        model = nnx.merge(graphdef or self.graphdef, params, model_state)
         logits, aux = _outputs(model, batch["inputs"])
         total, own = masked_cross_entropy(logits, *model.laid_out(batch["targets"], batch["mask"]))
         extra, aux = model.target_losses(aux, batch["targets"], batch["mask"])
@@ -204,26 +229,53 @@ class TrainSetup:
         if self.micro_batches == 1:
             (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, model_state, batch)
             return loss, aux, grads
-        k = self.micro_batches
+        k, replicas = self.micro_batches, self.replicas
         if self.gather_weights == PER_STEP:  # one all-gather of the fsdp shards, outside the micro-batches' loop
             params = jax.lax.with_sharding_constraint(params, self.gathered_shardings)
         count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
-        grad_fn = jax.value_and_grad(lambda p, b: self.loss(p, model_state, b, count, k), has_aux=True)
+        if replicas == 1:
+            grad_fn = jax.value_and_grad(lambda p, b: self.loss(p, model_state, b, count, k), has_aux=True)
+            accumulated = self.param_shardings
+        else:
+            # reduce_gradients=PER_STEP: each data replica's rows of a micro-batch are a micro-batch of its own (k x
+            # replicas of them a step), its gradients computed and accumulated in a shard_map manual over the data
+            # axis only (XLA partitions the other axes as before): no reduction over the data axis inside the loop;
+            # the sum over the replicas after it is the step's one reduction
+            P = PartitionSpec
+            share = jax.value_and_grad(
+                lambda p, b, n: self.loss(p, model_state, b, n, k * replicas, self.replica_graphdef), has_aux=True)
+
+            def replica(p, micro_batch, n):
+                (loss, aux), grads = share(p, micro_batch, n)
+                return jax.tree.map(lambda x: jnp.asarray(x)[None], ((loss, aux), grads))
+
+            def grad_fn(p, micro_batch):
+                run = jax.shard_map(replica, mesh=self.mesh, in_specs=(P(), P("data"), P()), out_specs=P("data"),
+                                    axis_names={"data"}, check_vma=False)
+                (loss, aux), grads = run(p, micro_batch, count)
+                aux = {**aux, "metrics": jax.tree.map(lambda m: m.mean(0), aux.get("metrics", {})),
+                       "statistics": jax.tree.map(lambda s: s.sum(0), aux.get("statistics", {}))}
+                return (loss.sum(), aux), grads
+
+            accumulated = jax.tree.map(lambda s: NamedSharding(self.mesh, PartitionSpec("data", *s.spec)),
+                                       self.param_shardings)
 
         def micro(carry, micro_batch):
             (loss, aux), grads = grad_fn(params, micro_batch)
             loss, metrics, statistics, summed = jax.tree.map(
                 jnp.add, carry, (loss, f32(aux.get("metrics", {})), aux.get("statistics", {}), f32(grads)))
-            return (loss, metrics, statistics, jax.lax.with_sharding_constraint(summed, self.param_shardings)), None
+            return (loss, metrics, statistics, jax.lax.with_sharding_constraint(summed, accumulated)), None
 
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))
         (_, aux_shape), grad_shape = shapes
         zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)  # noqa: E731
         start = (jnp.zeros((), jnp.float32), zeros(aux_shape.get("metrics", {})),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape.get("statistics", {})),
-                 zeros(grad_shape))
+                 jax.lax.with_sharding_constraint(zeros(grad_shape), accumulated))
         (loss, metrics, statistics, grads), _ = jax.lax.scan(micro, start, batch)
+        if replicas > 1:  # the step's one sum over the data replicas
+            grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.sum(0), grads), self.param_shardings)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         model = nnx.merge(self.graphdef, params, model_state)
         aux = {"metrics": jax.tree.map(lambda m: m / k, metrics), "model_state": model.next_model_state(statistics)}

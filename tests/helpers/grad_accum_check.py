@@ -1,7 +1,8 @@
 """k micro-batches of b rows against one batch of k x b rows, in ONE process (run it with 8 simulated CPU devices
 via XLA_FLAGS for the sharded case): prints JSON {case: {"loss": rel diff, "grads": rel diff, "state": max abs
 diff of the model state after the step, "gathered": where the accumulating step all-gathers its weights
-(MaxOffload.aot.weight_gathers of its compiled program)}}. argv[1]: JSON {case: [config overrides]}. The batches
+(MaxOffload.aot.weight_gathers of its compiled program), "reduced": where it reduces (gradient_reductions),
+"grad_bytes": the gradients' bytes}}. argv[1]: JSON {case: [config overrides]}. The batches
 are one step of the configured data source (data.micro_batches, as the trainer reads them): give the cases
 data.source=synthetic or text."""
 import json
@@ -16,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from MaxOffload import data, from_config, hlo  # noqa: E402
-from MaxOffload.aot import weight_gathers  # noqa: E402
+from MaxOffload.aot import gradient_reductions, weight_gathers  # noqa: E402
 from MaxOffload.config import load  # noqa: E402
 
 K, ROWS, SEQ, STEP = 4, 2, 16, 3
@@ -51,7 +52,9 @@ def compare(overrides):
             "state_moved": max([float(jnp.max(jnp.abs(a - b))) for a, b in
                                 zip(jax.tree.leaves(state_k), jax.tree.leaves(state["model_state"]))], default=0.0),
             "metrics": sorted(aux_k.get("metrics", {})),
-            "gathered": weight_gathers(hlo.parse(compiled.as_text()), K)}
+            "gathered": weight_gathers(hlo.parse(compiled.as_text()), K),
+            "reduced": gradient_reductions(hlo.parse(compiled.as_text()), K),
+            "grad_bytes": sum(g.size * g.dtype.itemsize for g in jax.tree.leaves(grads_k))}
 
 
 if __name__ == "__main__":
