@@ -213,6 +213,11 @@ def destination_rows(experts, all_counts, num_local, rank):
     return first_of_expert[experts] + before_rank[experts] + within
 
 
+def _take_rows(source, index):
+    """source[index] row by row, zeros where an index is past source's rows."""
+    return jnp.take(source, index, axis=0, mode="fill", fill_value=0)
+
+
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis, ranks):
     """jax.lax.ragged_all_to_all's result, built from an all-gather (XLA:CPU has no ragged all-to-all): rank s sends
     operand[input_offsets[r]:][:send_sizes[r]] to each rank r, which writes it at output[output_offsets[r] (the
@@ -322,9 +327,11 @@ class AllToAllExchange(AllGatherExchange):
                 received = jax.lax.all_to_all(send, self.ep, 0, 0, tiled=True)  # chunk r: from rank r
                 received_row = jax.lax.all_to_all(send_row, self.ep, 0, 0, tiled=True)
                 meta = jnp.zeros((0,), jnp.int32)
-            rows = jnp.zeros((budget, x.shape[-1]), x.dtype).at[received_row].set(received, mode="drop")
+            # the held rows in expert order: a gather of the received ones (the indices by a scatter of integers;
+            # a gather reads only the rows it takes, where a scatter of the rows writes a buffer of them)
             slot_of_row = jnp.full((budget,), received.shape[0], jnp.int32).at[received_row].set(
                 jnp.arange(received.shape[0], dtype=jnp.int32), mode="drop")
+            rows = _take_rows(received, slot_of_row)
             # `row` for combine: where each held row sits in the received buffer, where each of this rank's choices
             # finds its output in the buffer that comes back (past its end: dropped), and (ragged) the counts sent
             return rows, jnp.concatenate([slot_of_row, slot.astype(jnp.int32), meta.astype(jnp.int32)]), sizes, dropped
@@ -339,17 +346,19 @@ class AllToAllExchange(AllGatherExchange):
         def local(y_rows, row, gates):
             budget, chunk = self._sizes(gates.size)
             slot_of_row, slot = row[:budget], row[budget:budget + gates.size]
+            # the outputs back in arrival order (each slot its row's: a gather, as dispatch's)
+            arrived = budget if self.transport == "ragged" else self.ranks * chunk
+            row_of_slot = jnp.full((arrived,), budget, jnp.int32).at[slot_of_row].set(
+                jnp.arange(budget, dtype=jnp.int32), mode="drop")
+            back = _take_rows(y_rows, row_of_slot)
             if self.transport == "ragged":
                 me = jax.lax.axis_index(self.ep)
                 all_sent = row[budget + gates.size:].reshape(self.ranks, self.ranks)
-                back = jnp.zeros((budget, y_rows.shape[-1]), y_rows.dtype).at[slot_of_row].set(y_rows, mode="drop")
                 # each sender's rows back from where they arrived to where they left
                 returned = self._ragged(back, jnp.zeros_like(back, shape=(gates.size, y_rows.shape[-1])),
                                         _before(all_sent[:, me], 0), all_sent[:, me], _before(all_sent, 1)[:, me],
                                         all_sent[me])
             else:
-                back = jnp.zeros((self.ranks * chunk, y_rows.shape[-1]), y_rows.dtype).at[slot_of_row].set(
-                    y_rows, mode="drop")
                 returned = jax.lax.all_to_all(back, self.ep, 0, 0, tiled=True)  # chunk r: from rank r's experts
             return combine(returned, slot, gates)
 
