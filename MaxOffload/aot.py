@@ -82,9 +82,26 @@ def build_report(cfg, plan, target, topology):
         "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
         "weight_gathers": {**weight_gathers(module, setup.micro_batches), "asked": setup.gather_weights},
         "gradient_reductions": {**gradient_reductions(module, setup.micro_batches), "data_replicas": setup.replicas},
+        "host_state_traffic": host_state_traffic(setup, timeline.Rates.of(accelerator, topology), predicted),
         "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform)] if w] + [f"compiled work: {w}" for w in
                                                                          work["warnings"]],
     }, simulation
+
+
+def host_state_traffic(setup, rates, predicted):
+    """What the compiled step leaves out where compile-only devices dropped the host memory kind of state asked for
+    in host memory (TrainSetup.host_state_dropped): the bytes that state moves a step on the real devices and, at
+    the host link, the time they take if nothing hides them. Host-resident parameters are read by every
+    micro-batch's forward and backward passes (models/stack.to_device, per layer); the update reads the
+    parameters and the optimizer state and writes them back. None where nothing was dropped."""
+    params, opt = setup.host_state_dropped(("params",)), setup.host_state_dropped(("opt_state",))
+    if not params + opt:
+        return None
+    h2d = 2 * setup.micro_batches * params + params + opt
+    d2h = params + opt
+    seconds = max(h2d, d2h) / rates.host_link
+    return {"h2d_bytes": h2d, "d2h_bytes": d2h, "seconds": seconds,
+            "step_s_if_exposed": predicted["step_s"] + seconds if predicted else None}
 
 
 def describe_topology(cfg, topology):
@@ -161,6 +178,13 @@ def format_report(r):
         lines.append(f"  (offload.params / offload.optimizer_state: {moved} "
                      "of state these compile-only devices held in HBM, counted in host memory where the run puts "
                      "it; its host<->device traffic is not in the compiled step)")
+        traffic = r.get("host_state_traffic")
+        if traffic:
+            lines.append(f"  that state's traffic a step, not in the compiled step: {traffic['h2d_bytes'] / 1e9:,.4g} GB "
+                         f"to the device, {traffic['d2h_bytes'] / 1e9:,.4g} GB back, {traffic['seconds']:.3g} s at "
+                         "the host link if none of it hides"
+                         + (f" (predicted step then {traffic['step_s_if_exposed']:.4g} s)"
+                            if traffic["step_s_if_exposed"] else ""))
     lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}")
     for label, names in r["offloaded"].items():
         lines.append(f"  {label}: offloaded {', '.join(names) or '-'}")
@@ -177,8 +201,10 @@ def format_report(r):
     reductions = r.get("gradient_reductions")
     if reductions and reductions["micro_batches"] > 1:
         lines.append(f"reductions (gradients): {reductions['per_step_bytes'] / 1e9:,.4g} GB per device per step, "
-                     f"{reductions['in_micro_batch_loop_bytes'] / 1e9:,.4g} GB of it inside the accumulation loop "
-                     f"({reductions['data_replicas']} data replicas accumulating their own: train.reduce_gradients)")
+                     f"{reductions['in_micro_batch_loop_bytes'] / 1e9:,.4g} GB of it inside the accumulation loop"
+                     + (f" ({reductions['data_replicas']} data replicas accumulate their own and are summed once a "
+                        "step, train.reduce_gradients=per_step: inside the loop, the reductions within a replica, "
+                        "e.g. FSDP's reduce-scatters)" if reductions["data_replicas"] > 1 else ""))
     if r["problems"]:
         lines.append("PROBLEMS:\n  " + "\n  ".join(r["problems"]))
     lines += [f"WARNING: {w}" for w in r.get("warnings", [])]

@@ -88,6 +88,7 @@ class Event:
     bytes: float = 0.0
     stall: float = 0.0  # compute time lost waiting for this transfer or collective (its exposed time)
     fp8_flops: float = 0.0  # of `flops`, those of FP8 GEMMs
+    kind: str = ""  # a collective's: all-gather, reduce-scatter, ragged-all-to-all, ...
 
     @property
     def component(self):
@@ -221,9 +222,9 @@ class Simulation:
             event.stall += event.end - self.clock
             self.clock = event.end
 
-    def queue(self, engine, ins, seconds, moved, flops=0.0):
+    def queue(self, engine, ins, seconds, moved, flops=0.0, kind=""):
         start = max(self.clock, self.free[engine])
-        event = Event(engine, start, start + seconds, ins.name, ins.op_name, flops, moved)
+        event = Event(engine, start, start + seconds, ins.name, ins.op_name, flops, moved, kind=kind)
         self.free[engine] = event.end
         self.events.append(event)
         return event
@@ -239,7 +240,7 @@ class Simulation:
         groups = replica_groups(carrier.attributes, self.devices)
         n = max((len(g) for g in groups), default=1)
         if n < 2:
-            return self.queue(COLLECTIVE, ins, 0.0, 0.0)
+            return self.queue(COLLECTIVE, ins, 0.0, 0.0, kind=kind)
         # members of the largest group outside the first member's NVLink domain
         group = max(groups, key=len)
         remote = sum(1 for d in group if self.domain_of(d) != self.domain_of(group[0]))
@@ -248,7 +249,7 @@ class Simulation:
                 all(len(g) == 2 for g in groups) else bool(remote)
             moved = operand_bytes
             seconds = moved / (self.rates.network if crosses else self.rates.nvlink)
-            return self.queue(COLLECTIVE, ins, seconds, moved)
+            return self.queue(COLLECTIVE, ins, seconds, moved, kind=kind)
         size = result_bytes if kind == "all-gather" else operand_bytes
         if kind == "ragged-all-to-all":  # its input, not the output buffer and offsets it also takes: at most
             size = hlo.nbytes(shapes.get(ins.operands[0], ""))  # the rows it sends (an upper bound of what travels)
@@ -257,7 +258,7 @@ class Simulation:
         # at once (a flat ring across domains would be slower still: each of its links carries (n - 1) / n)
         inter, intra = rounds * size * remote / n, rounds * size * (n - remote - 1) / n
         seconds = max(inter / self.rates.network, intra / self.rates.nvlink)
-        return self.queue(COLLECTIVE, ins, seconds, inter + intra)
+        return self.queue(COLLECTIVE, ins, seconds, inter + intra, kind=kind)
 
     def domain_of(self, device):
         return self.domains[device] if self.domains else device // self.rates.domain
@@ -408,8 +409,14 @@ def summarize(sim, step, model_flops_per_device=None):
     stalls = collections.Counter()
     moved = collections.Counter()
     groups = {}
+    parts, kinds = collections.Counter(), {}  # compute per model part; collectives per kind: [s, exposed s, bytes]
     for e in sim.events:
         busy[e.engine] += e.end - e.start
+        if e.engine == COMPUTE:
+            parts[e.component] += e.end - e.start
+        elif e.engine == COLLECTIVE:
+            kind = kinds.setdefault(e.kind, [0.0, 0.0, 0.0])
+            kind[0], kind[1], kind[2] = kind[0] + e.end - e.start, kind[1] + e.stall, kind[2] + e.bytes
         moved[e.engine] += e.bytes
         kind = "copy" if e.engine in (D2H, H2D) else e.engine
         stalls[kind] += e.stall
@@ -433,6 +440,9 @@ def summarize(sim, step, model_flops_per_device=None):
                         "host_link_bytes_per_s": sim.rates.host_link, "nvlink_bytes_per_s": sim.rates.nvlink,
                         "network_bytes_per_s": sim.rates.network},
         "groups": {name: {k: v for k, v in sorted(g.items())} for name, g in sorted(groups.items())},
+        "compute_by_part_s": dict(parts.most_common()),
+        "collectives_by_kind": {k: {"s": v[0], "exposed_s": v[1], "bytes": v[2]}
+                                for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
         "model_tflops_per_device": None, "mfu": None,
     }
     if model_flops_per_device:
@@ -467,6 +477,13 @@ def format_report(r):
     if r["model_tflops_per_device"]:
         lines.append(f"  predicted {r['model_tflops_per_device']:,.1f} model TFLOP/s per device, MFU "
                      f"{r['mfu']:.1%}")
+    if r.get("compute_by_part_s"):
+        lines.append("  compute by part: " + ", ".join(f"{part} {_ms(t)}" for part, t in
+                                                      list(r["compute_by_part_s"].items())[:6]))
+    if r.get("collectives_by_kind"):
+        lines.append("  collectives by kind: " + ", ".join(
+            f"{kind} {_gb(c['bytes'])} in {_ms(c['s'])} ({_ms(c['exposed_s'])} exposed)"
+            for kind, c in r["collectives_by_kind"].items()))
     if r["unknown_trip_counts"]:
         lines.append(f"  WARNING: {len(r['unknown_trip_counts'])} loop(s) without a known trip count were run once")
     return lines

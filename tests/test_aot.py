@@ -100,6 +100,11 @@ def test_host_resident_state_is_counted_on_the_host(reports):
     assert r["hbm_bytes_per_device"] == compiled - moved
     assert r["host_bytes_per_device"] == r["host_temp_bytes_per_device"] + moved
     assert reports["full"]["host_state_counted_from_shardings_bytes"] == 0
+    # ... and its traffic, which the compiled step leaves out: the update reads the moments and writes them back
+    traffic = r["host_state_traffic"]
+    assert traffic["h2d_bytes"] == traffic["d2h_bytes"] == moved
+    assert traffic["step_s_if_exposed"] == pytest.approx(r["timeline"]["step_s"] + traffic["seconds"])
+    assert reports["full"]["host_state_traffic"] is None
 
 
 def test_offloading_and_remat_lower_hbm_temporaries_vs_save_all(reports):

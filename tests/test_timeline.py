@@ -95,8 +95,12 @@ def test_an_async_all_gather_overlaps_a_gemm():
     assert hidden["collective_bytes"] == pytest.approx(3e6)
     assert hidden["exposed_collective_s"] == pytest.approx(0.0)
     assert hidden["step_s"] == pytest.approx(4 * MS)
+    assert hidden["collectives_by_kind"] == {"all-gather": {"s": pytest.approx(3 * MS), "exposed_s": 0.0,
+                                                            "bytes": pytest.approx(3e6)}}
+    assert sum(hidden["compute_by_part_s"].values()) == pytest.approx(hidden["compute_s"])
     exposed = run(gather_module(250, "{{0,1,2,3}}", 1))[0]
     assert exposed["exposed_collective_s"] == pytest.approx(2 * MS)
+    assert exposed["collectives_by_kind"]["all-gather"]["exposed_s"] == pytest.approx(2 * MS)
     assert exposed["collective_hidden_fraction"] == pytest.approx(1 / 3)
     # the same group in the iota form; across two NVLink domains (devices 0-3 | 4-7), hierarchically: the half
     # from the other domain (2e6 bytes) over the network's 1e8 (20 ms), the quarter from the other local member

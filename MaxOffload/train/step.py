@@ -382,12 +382,13 @@ class TrainSetup:
         """Bytes of params + optimizer state per device under the state shardings (in one memory kind)."""
         return self._state_bytes(lambda s: not memory_kind or (s.memory_kind or DEVICE) == memory_kind)
 
-    def host_state_dropped(self):
-        """Bytes per device of the params / optimizer state asked for in pinned host memory (offload.params,
-        offload.optimizer_state) whose shardings lost that memory kind on these devices: XLA's compile-only GPU
-        devices have none, so a deviceless GPU compile holds that state in HBM. 0 where the kind is kept."""
+    def host_state_dropped(self, parts=("params", "opt_state")):
+        """Bytes per device of the params / optimizer state (of `parts`) asked for in pinned host memory
+        (offload.params, offload.optimizer_state) whose shardings lost that memory kind on these devices: XLA's
+        compile-only GPU devices have none, so a deviceless GPU compile holds that state in HBM. 0 where the kind is
+        kept."""
         return self._state_bytes(lambda s: s.memory_kind != HOST,
-                                 [part for part, asked in self.host_state_asked.items() if asked])
+                                 [part for part in parts if self.host_state_asked[part]])
 
     def params_total(self):
         return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self.abstract_state["params"])))
