@@ -241,6 +241,10 @@ NO_HLO_REMAT_SLOP_FACTOR = 10000
 NO_HLO_REMAT_TPU = {"xla_disable_hlo_passes": "rematerialization"}
 
 
+# XLA:GPU's decomposition of ragged-all-to-all into dense collectives (xla.ragged_decomposer)
+RAGGED_DECOMPOSER = {"xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": True}
+
+
 def compiler_options(preset, quant_mode="bf16", hlo_rematerialization=True, platform="gpu"):
     """{option: value} for jax's `.compile(compiler_options=...)` on devices of `platform`: the preset's features
     (baseline: none, XLA's defaults), what `quant_mode` needs (QUANT_FLAGS: XLA:GPU's GEMM rewrites; none on TPUs),

@@ -88,8 +88,9 @@ class TrainSetup:
     """
 
     def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
-                 micro_batches=1, gather_weights=PER_MICRO_BATCH, reduce_gradients=PER_MICRO_BATCH, numerics=None,
-                 on_nonfinite=skip_nonfinite, context_attention="all_gather", load_balance=False):
+                 micro_batches=1, gather_weights=PER_MICRO_BATCH, reduce_gradients=PER_MICRO_BATCH,
+                 ragged_decomposer="auto", numerics=None, on_nonfinite=skip_nonfinite, context_attention="all_gather",
+                 load_balance=False):
         """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
         plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
         tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
@@ -97,7 +98,9 @@ class TrainSetup:
         several micro-batches, PER_MICRO_BATCH (the fsdp-sharded weights are all-gathered inside each micro-batch's
         passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); reduce_gradients:
         with several micro-batches and a data axis, PER_MICRO_BATCH (XLA sums each micro-batch's gradients over the
-        data replicas) or PER_STEP (each replica accumulates its own; one sum over the data axis a step); numerics: the
+        data replicas) or PER_STEP (each replica accumulates its own; one sum over the data axis a step);
+        ragged_decomposer: "auto" | "on" | "off", XLA:GPU's decomposition of the exchange's ragged all-to-all
+        (xla.ragged_decomposer; auto: on for a GPU step that exchanges tokens by it); numerics: the
         weight matmuls' models/matmul.Numerics (None: bf16 in the model's compute dtype); on_nonfinite:
         skip_nonfinite or halt_on_nonfinite; context_attention, load_balance: how a sequence split over the
         context axes attends (parallel/layout.CONTEXT_ATTENTION) and whether its tokens are laid out for balanced
@@ -105,7 +108,7 @@ class TrainSetup:
         self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
                           schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
                           micro_batches=micro_batches, gather_weights=gather_weights,
-                          reduce_gradients=reduce_gradients, numerics=numerics,
+                          reduce_gradients=reduce_gradients, ragged_decomposer=ragged_decomposer, numerics=numerics,
                           on_nonfinite=on_nonfinite, context_attention=context_attention, load_balance=load_balance)
         self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
         self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
@@ -117,6 +120,8 @@ class TrainSetup:
                                                      kernels.platform(mesh.devices.flat[0]))
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
         self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
+        if ragged_decomposer == "on" or (ragged_decomposer == "auto" and self.exchanges_ragged()):
+            self.compiler_options.update(xla.RAGGED_DECOMPOSER)
         check_splash(self.model_config, seq_len, self.layout)
         abstract_model = nnx.eval_shape(self._model)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
@@ -169,6 +174,15 @@ class TrainSetup:
         """The same run (model, mesh, optimizer, batch) under another OffloadPlan: a planner's or a report's
         variant."""
         return TrainSetup(plan=plan, **self._args)
+
+    def exchanges_ragged(self):
+        """Whether the step moves routed tokens between GPUs by XLA's ragged all-to-all (models/exchange.py)."""
+        from MaxOffload.models import exchange
+
+        kind = exchange.EXCHANGES.get(self.layout.exchange)
+        return (kernels.platform(self.mesh.devices.flat[0]) == "gpu" and bool(getattr(kind, "transport", None))
+                and kind.transport in ("auto", "ragged") and logical.ways(self.mesh, self.layout.expert) > 1
+                and getattr(self.model_config, "num_experts", 0) > 0)
 
     def _model(self, layout=None):
         return models.build(self.model_config, self.plan, nnx.Rngs(params=self.seed), layout or self.layout,
