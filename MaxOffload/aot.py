@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from MaxOffload import audit, hlo, memory, timeline
+from MaxOffload import audit, hlo, memory, timeline, xla
 from MaxOffload.cli import tool
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.reports import gib
@@ -83,9 +83,27 @@ def build_report(cfg, plan, target, topology):
         "weight_gathers": {**weight_gathers(module, setup.micro_batches), "asked": setup.gather_weights},
         "gradient_reductions": {**gradient_reductions(module, setup.micro_batches), "data_replicas": setup.replicas},
         "host_state_traffic": host_state_traffic(setup, timeline.Rates.of(accelerator, topology), predicted),
-        "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform)] if w] + [f"compiled work: {w}" for w in
-                                                                         work["warnings"]],
+        "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform), ragged_exchange_warning(setup)] if w]
+        + [f"compiled work: {w}" for w in work["warnings"]],
     }, simulation
+
+
+RAGGED_RANKS_KNOWN_TO_CRASH = 32  # past this, XLA:GPU's one-shot ragged all-to-all crashed (openxla/xla#47283)
+
+
+def ragged_exchange_warning(setup):
+    """The line for a GPU step whose token exchange runs XLA's ragged all-to-all (not decomposed) over more ranks
+    than its one-shot lowering is known to survive, else None."""
+    from MaxOffload.parallel import logical
+
+    ranks = logical.ways(setup.mesh, setup.layout.expert)
+    if not setup.exchanges_ragged() or setup.compiler_options.get(next(iter(xla.RAGGED_DECOMPOSER))) or \
+            ranks <= RAGGED_RANKS_KNOWN_TO_CRASH:
+        return None
+    return (f"the token all-to-all runs XLA's ragged all-to-all over {ranks} GPUs: its one-shot lowering crashed past "
+            f"{RAGGED_RANKS_KNOWN_TO_CRASH} ranks (openxla/xla#47283) and gave wrong gradients on some builds "
+            "(marin-community/marin#8077); xla.ragged_decomposer=true avoids both, at the cost its own aot timeline "
+            "shows (dense all-to-alls of whole buffers; docs/parallelism.md)")
 
 
 def host_state_traffic(setup, rates, predicted):

@@ -99,7 +99,7 @@ def train_setup(cfg, devices=None, plan=None):
                            per_device_batch=cfg.train.per_device_batch_size,
                            micro_batches=micro_batches(cfg, device_mesh.size),
                            gather_weights=cfg.train.gather_weights, reduce_gradients=cfg.train.reduce_gradients,
-                           ragged_decomposer=cfg.xla.ragged_decomposer,
+                           ragged_decomposer=bool(cfg.xla.ragged_decomposer),
                            numerics=numerics(cfg, plan), seed=cfg.run.seed,
                            on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite],
                            context_attention=cfg.mesh.context_attention, load_balance=cfg.mesh.context_load_balance)

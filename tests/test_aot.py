@@ -374,23 +374,23 @@ def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_ba
     assert whole["weight_gathers"]["where"] == "per step" and "gathered per micro-batch (train.gather_weights=per_micro_batch, 2 micro-batches" in result.stdout
 
 
-def test_a_gpu_step_that_exchanges_tokens_by_ragged_all_to_all_gets_the_decomposer():
+def test_the_ragged_decomposer_turns_the_token_all_to_all_dense_on_gpus():
     """mesh.exchange=all_to_all on GPUs moves tokens by XLA's ragged all-to-all, whose one-shot lowering crashed past
-    32 ranks and gave wrong gradients on some builds (docs/parallelism.md): by default (xla.ragged_decomposer=auto)
-    the GPU compile decomposes it into dense all-to-alls, and the compiled program has no ragged-all-to-all left;
-    `off` keeps the primitive."""
+    32 ranks and gave wrong gradients on some builds (docs/parallelism.md): xla.ragged_decomposer=true compiles the
+    GPU step with XLA's decomposer, and the compiled program has dense all-to-alls and no ragged-all-to-all left;
+    by default the primitive stays."""
     from MaxOffload import deviceless, from_config
     from MaxOffload.config import load
 
     found = {}
-    for mode in ("auto", "off"):
+    for decomposed in (True, False):
         cfg = load(["configs/deepseek_v3.py:tiny", "train.per_device_batch_size=1", "train.seq_len=64",
                     "mesh.ici.expert=4", "mesh.ici.fsdp=1", "mesh.exchange=all_to_all", "mesh.rules.exp_embed=[]",
-                    f"xla.ragged_decomposer={mode}", "run.output_dir=/tmp/maxoffload_decomposer"])
+                    f"xla.ragged_decomposer={decomposed}", "run.output_dir=/tmp/maxoffload_decomposer"])
         setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x4"))
         assert setup.exchanges_ragged()
         text = setup.compile_train_step().as_text()
-        found[mode] = (len(re.findall(r" ragged-all-to-all(?:-start)?\(", text)),
-                       len(re.findall(r" all-to-all(?:-start)?\(", text)))
-    assert found["auto"][0] == 0 and found["auto"][1] > 0
-    assert found["off"][0] > 0
+        found[decomposed] = (len(re.findall(r" ragged-all-to-all(?:-start)?\(", text)),
+                             len(re.findall(r" all-to-all(?:-start)?\(", text)))
+    assert found[True][0] == 0 and found[True][1] > 0
+    assert found[False][0] > 0

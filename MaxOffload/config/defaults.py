@@ -131,10 +131,10 @@ SCHEMA = {
                                "collectives fused with and overlapped under compute) | tpu_overlap_offload (+ host-"
                                "aware passes); see MaxOffload/xla.py"),
         "extra_flags": ([], "more XLA_FLAGS, e.g. [--xla_gpu_enable_command_buffer=]; checked against jaxlib"),
-        "ragged_decomposer": ("auto", "XLA:GPU's decomposition of the ragged all-to-all (mesh.exchange=all_to_all) "
-                                      "into dense collectives: auto (on where a GPU step exchanges tokens by it: "
-                                      "its one-shot lowering crashed past 32 ranks and gave wrong gradients on "
-                                      "some builds, docs/parallelism.md) | on | off"),
+        "ragged_decomposer": (False, "XLA:GPU's decomposition of the token all-to-all's ragged primitive "
+                                     "(mesh.exchange=all_to_all) into dense all-to-alls of whole buffers: avoids "
+                                     "the one-shot lowering's known crash past 32 ranks and wrong gradients on some "
+                                     "builds, at the cost the aot timeline shows (docs/parallelism.md)"),
         "hlo_rematerialization": (True, "XLA's own rematerialization on GPUs: when its estimate of the step's peak "
                                         "memory is over its limit (80% of HBM less the outputs), it recomputes "
                                         "instructions of its choosing (the audit's xla_remat_flops); false leaves "

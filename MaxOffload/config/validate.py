@@ -224,7 +224,6 @@ def validate(cfg):
     from MaxOffload import hardware, xla
 
     _choice("xla.preset", cfg.xla.preset, tuple(xla.PRESETS))
-    _choice("xla.ragged_decomposer", cfg.xla.ragged_decomposer, ("auto", "on", "off"))
     for flag in cfg.xla.extra_flags:
         _require(isinstance(flag, str) and re.match(r"^--xla_\w+(=.*)?$", flag),
                  f"xla.extra_flags: {flag!r} is not an XLA flag; write --xla_name=value")

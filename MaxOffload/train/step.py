@@ -89,7 +89,7 @@ class TrainSetup:
 
     def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
                  micro_batches=1, gather_weights=PER_MICRO_BATCH, reduce_gradients=PER_MICRO_BATCH,
-                 ragged_decomposer="auto", numerics=None, on_nonfinite=skip_nonfinite, context_attention="all_gather",
+                 ragged_decomposer=False, numerics=None, on_nonfinite=skip_nonfinite, context_attention="all_gather",
                  load_balance=False):
         """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
         plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
@@ -99,8 +99,8 @@ class TrainSetup:
         passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); reduce_gradients:
         with several micro-batches and a data axis, PER_MICRO_BATCH (XLA sums each micro-batch's gradients over the
         data replicas) or PER_STEP (each replica accumulates its own; one sum over the data axis a step);
-        ragged_decomposer: "auto" | "on" | "off", XLA:GPU's decomposition of the exchange's ragged all-to-all
-        (xla.ragged_decomposer; auto: on for a GPU step that exchanges tokens by it); numerics: the
+        ragged_decomposer: XLA:GPU decomposes the exchange's ragged all-to-all into dense ones (xla.ragged_decomposer;
+        only where a GPU step exchanges tokens by it); numerics: the
         weight matmuls' models/matmul.Numerics (None: bf16 in the model's compute dtype); on_nonfinite:
         skip_nonfinite or halt_on_nonfinite; context_attention, load_balance: how a sequence split over the
         context axes attends (parallel/layout.CONTEXT_ATTENTION) and whether its tokens are laid out for balanced
@@ -120,7 +120,7 @@ class TrainSetup:
                                                      kernels.platform(mesh.devices.flat[0]))
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
         self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
-        if ragged_decomposer == "on" or (ragged_decomposer == "auto" and self.exchanges_ragged()):
+        if ragged_decomposer and self.exchanges_ragged():
             self.compiler_options.update(xla.RAGGED_DECOMPOSER)
         check_splash(self.model_config, seq_len, self.layout)
         abstract_model = nnx.eval_shape(self._model)
