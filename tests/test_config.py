@@ -62,8 +62,10 @@ def test_quickstart_values():
                                                   ("deepseek_v3_offload.py:671b_32k", 32768, 8)])
 def test_long_context_variants_split_each_sequence_over_the_context_axis(spec, seq_len, ways):
     """A recipe's _32k / _128k variant: one sequence per `ways` GPUs, the weights (not the activations' batch)
-    sharded over the context axis too, 16.8M tokens a step, load-balanced, the rest of the recipe unchanged."""
-    cfg, base = load([os.path.join(ROOT, "configs", spec)]), load([os.path.join(ROOT, "configs", spec.rsplit("_", 1)[0])])
+    sharded over the context axis too, 16.8M tokens a step, load-balanced, the rest of the recipe unchanged (for
+    DeepSeek-V3 the FSDP x EP8 layout's: its EP64 one holds no context axis)."""
+    base_spec = {"deepseek_v3_offload.py:671b_32k": "deepseek_v3_offload.py:671b_fsdp"}.get(spec, spec.rsplit("_", 1)[0])
+    cfg, base = load([os.path.join(ROOT, "configs", spec)]), load([os.path.join(ROOT, "configs", base_spec)])
     assert (cfg.train.seq_len, cfg.mesh.ici.context, cfg.train.per_device_batch_size) == (seq_len, ways, 1 / ways)
     assert cfg.train.global_batch_size * seq_len == 2 ** 24
     assert "context" in cfg.mesh.rules.embed and "context" not in cfg.mesh.rules.activation_batch

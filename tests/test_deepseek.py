@@ -667,14 +667,17 @@ def test_dry_run_671b(cli, tmp_path):
         + 6 * 4096 * 62 * 4096 * 128 * (192 + 128) / 2, rel=1e-9)
 
 
-def test_offload_recipe_fits_128_devices_fsdp16_ep8(background):
+def test_offload_recipe_fits_128_devices_ep64_per_rack(background):
+    """The 671B recipe's layout on 128 (forced host) devices: two data-parallel racks of 64 expert ranks, the token
+    all-to-all (its padded transport on CPUs), the state in host memory."""
     code, out, err = background.result("recipe_128")
     assert code == 0, err
-    assert "fsdp=16 x expert=8" in out
+    assert "mesh data=2 x expert=64" in out and "token all-to-all over 64 expert ranks" in out
     summary = json.load(open(os.path.join(background.tmp, "recipe", "dry_run.json")))["summary"]
-    # fp32 params + Adam: 12 bytes per parameter (the MTP block's included), split 128 ways (norms and router
-    # biases aside)
-    assert summary["state_bytes_per_device"] == pytest.approx(12 * 682.64e9 / 128, rel=0.01)
+    # fp32 params + Adam: 12 bytes per parameter (the MTP block's included), split 64 ways inside a rack and held
+    # by both racks (norms and router biases aside), all of it in pinned host memory
+    assert summary["state_bytes_per_device"] == pytest.approx(12 * 682.64e9 / 64, rel=0.01)
+    assert "(128GB of it in pinned host memory)" in out
     # active per token: router + top-8 routed + shared experts, MLA, dense MLPs, embedding and head (and the MTP
     # block's one pass); the main model alone is DeepSeek-V3's published "37B activated" (test_mtp: 37.55B)
     assert summary["params_active"] == pytest.approx(39.17e9, rel=0.001)
