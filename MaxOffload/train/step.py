@@ -239,7 +239,9 @@ class TrainSetup:
         """(objective, aux, gradients) of a step's batch: one batch, or (micro_batches > 1) a scan over its
         micro-batches [k, rows, seq_len] accumulating float32 gradients in HBM with the parameters' sharding. Over
         micro-batches the metrics are averaged, the model's statistics summed and its new state computed once
-        from them (e.g. the router biases from the whole step's expert loads), as one batch of k x rows would."""
+        from them (e.g. the router biases from the whole step's expert loads), as one batch of k x rows would.
+        Under reduce_gradients=PER_STEP each of `self.replicas` data replicas accumulates its own gradients,
+        [replicas, ...] over the data axis, summed once after the loop."""
         if self.micro_batches == 1:
             (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, model_state, batch)
             return loss, aux, grads
