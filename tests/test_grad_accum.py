@@ -124,3 +124,25 @@ def test_inspect_reports_offloaded_bytes_per_micro_batch(tmp_path):
     assert "per device per step" in found[1] and "per device per micro-batch" in found[2]
     assert found[1].split("offloaded in total ")[1].split(" per")[0] == \
         found[2].split("offloaded in total ")[1].split(" per")[0]
+
+
+def test_per_step_reduction_refuses_mxfp8_outside_the_routed_experts_in_one_line(tmp_path):
+    """Inside the data replicas' shard_map jax's MXFP8 matmul cannot be partitioned (its cuDNN rule fails on the
+    compile of the 671B recipe): one line, exit 2, naming the parts and the two ways out; the routed experts alone
+    (their GEMMs run inside the exchange's own shard_map) pass the check. (jax 0.10.2 refuses MXFP8 itself first.)"""
+    from MaxOffload.platform import jax_at_least
+
+    args = ["train.py", "configs/deepseek_v3.py:tiny", "data.source=synthetic", "train.seq_len=32",
+            "train.per_device_batch_size=2", "mesh.ici.fsdp=1", "mesh.ici.data=2", "train.grad_accum_steps=2",
+            "train.reduce_gradients=per_step", "quant.mode=mxfp8", "run.dry_run=true", f"run.output_dir={tmp_path}"]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = run_cli(args, env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    if not jax_at_least(0, 11):
+        assert "needs jax >= 0.11" in line
+        return
+    assert line.startswith("error: train.reduce_gradients=per_step") and "projections,mlp" in line
+    assert "quant.parts=[routed_experts]" in line
+    experts_only = run_cli([*args, "quant.parts=[routed_experts]"], env)
+    assert experts_only.returncode == 0, experts_only.stderr[-2000:]

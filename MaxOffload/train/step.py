@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models, xla
-from MaxOffload.models import kernels, matmul
+from MaxOffload.models import components, kernels, matmul
 from MaxOffload.models.stack import masked_cross_entropy, to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
@@ -202,6 +202,13 @@ class TrainSetup:
             raise ConfigError(f"train.reduce_gradients=per_step sums each data replica's gradients once a step, but "
                               f"mesh.rules shard a weight over the data axis ({on_data[0].spec}); take `data` out of "
                               "the weights' rules or use train.reduce_gradients=per_micro_batch")
+        partitioned = [p for p in self.numerics.parts if p != components.EXPERTS]
+        if self.numerics.mode == "mxfp8" and partitioned:  # the routed experts' GEMMs run inside the exchange's
+            # shard_map, manual over every axis; the others are partitioned by jax's cuDNN scaled-matmul rule
+            raise ConfigError(f"train.reduce_gradients=per_step runs each data replica in a shard_map over the data "
+                              f"axis, inside which jax's MXFP8 matmul cannot be partitioned (quant.parts "
+                              f"{','.join(partitioned)}); set quant.parts=[routed_experts] or "
+                              "train.reduce_gradients=per_micro_batch")
         rules = {axis: tuple(a for a in mesh_axes if a != "data") for axis, mesh_axes in self.layout.rules}
         layout = ParallelLayout.of(self.mesh, rules, self.layout.exchange, self.layout.context_attention,
                                    self.layout.load_balance)
