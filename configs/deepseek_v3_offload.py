@@ -44,6 +44,9 @@ def get_config(size="671b"):
         cfg = get_config(size[:-len("_mxfp8")])
         cfg.run.output_dir += "_mxfp8"
         cfg.quant.mode = "mxfp8"
+        if cfg.train.reduce_gradients == "per_step":  # 671b: jax's MXFP8 matmul cannot be partitioned inside the
+            cfg.quant.parts = ["routed_experts"]      # data replicas' shard_map; the routed experts' GEMMs (half the
+            #                                           step's) run in the exchange's own (train/step.py)
         # the routed experts' input projections, most of what goes to the host, in FP8 (as DeepSeek-V3 cached
         # activations): half the bytes over the link; their forward goes on with the FP8 values
         cfg.quant.fp8_storage = ["moe_mlpwi_0", "moe_mlpwi_1"]
@@ -69,10 +72,10 @@ def get_config(size="671b"):
         # balanced step gives a device bounds what the exchange holds and offloads: only the choices past a
         # device's 1.25x (its experts together, over the whole batch) are dropped (counted in
         # moe/dropped_fraction), far fewer than a capacity of 1.25 per expert and sequence, at the same memory.
-        # The routed experts' output and the attention output/projection go to the host too.
+        # The attention output and its projection go to the host too.
         cfg.model.capacity_factor = 0.0
         cfg.model.moe_buffer_factor = 1.25
-        for name in ("moe_mlpwo", "attention_out", "out_proj"):
+        for name in ("attention_out", "out_proj"):
             cfg.remat.groups.moe.tensors[name] = "offload"
         cfg.aot.topology = "2x16x4"  # 128 GB200: two NVL72 racks of 64 GPUs (aot and auto dry runs)
         # 4,096 sequences of 4,096 tokens a step (16.8M tokens): on 128 GPUs 32 micro-batches of one sequence per
@@ -81,20 +84,20 @@ def get_config(size="671b"):
         for axis in ("embed", "q_lora", "kv_lora"):
             cfg.mesh.rules[axis] = ["fsdp", "expert"]
     if size == "671b":
-        # experts at home, tokens by all-to-all, racks data-parallel (the module docstring); the MLA up-projections'
-        # outputs (mla_q, mla_kv: 0.47 GB a layer) to the host as well. Deviceless on 2x16x4 GB200:
-        # benchmarks/results/deepseek_671b_ep64_2026-12-06 (FITS, the predicted step and where it goes)
+        # experts at home, tokens by all-to-all, racks data-parallel (the module docstring). The routed experts'
+        # output stays in HBM: recomputing its GEMM (K = 2,048) costs less than moving it over the host link both
+        # ways. Deviceless on 2x16x4 GB200: benchmarks/results/deepseek_671b_ep64_2026-12-06 (FITS, the predicted
+        # step and where it goes)
         cfg.mesh.ici.expert, cfg.mesh.ici.fsdp, cfg.mesh.dcn.data = 64, 1, 2
         cfg.mesh.rules.exp_embed = []
         cfg.mesh.exchange = "all_to_all"
         cfg.train.reduce_gradients = "per_step"
         cfg.offload.params = cfg.offload.optimizer_state = True
-        for name in ("mla_q", "mla_kv"):
-            cfg.remat.groups.moe.tensors[name] = "offload"
     if size == "671b_fsdp":
-        # FSDP16 x EP8, the routed experts gathered over fsdp each micro-batch, tokens by all-gather: 123.5 GiB HBM
-        # for one micro-batch, 144.0 GiB with the float32 gradient accumulator, FITS; compiled work 1.24x the model
-        # FLOPs (benchmarks/results/grad_accum_2026-12-03); predicted collective-bound (docs/timeline.md)
+        # FSDP16 x EP8, the routed experts gathered over fsdp each micro-batch, tokens by all-gather, their output
+        # offloaded as well: 144.0 GiB with the float32 gradient accumulator, FITS; compiled work 1.24x the model
+        # FLOPs; predicted collective-bound (docs/timeline.md)
         cfg.mesh.ici.expert = 8
         cfg.mesh.ici.fsdp = -1
+        cfg.remat.groups.moe.tensors.moe_mlpwo = "offload"
     return cfg
