@@ -83,9 +83,23 @@ def build_report(cfg, plan, target, topology):
         "weight_gathers": {**weight_gathers(module, setup.micro_batches), "asked": setup.gather_weights},
         "gradient_reductions": {**gradient_reductions(module, setup.micro_batches), "data_replicas": setup.replicas},
         "host_state_traffic": host_state_traffic(setup, timeline.Rates.of(accelerator, topology), predicted),
+        "expert_weight_gathers": len(expert_weight_gathers(module, setup.model_config))
+        if getattr(setup.model_config, "num_experts", 0) else None,
         "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform), ragged_exchange_warning(setup)] if w]
         + [f"compiled work: {w}" for w in work["warnings"]],
     }, simulation
+
+
+def expert_weight_gathers(module, model_config):
+    """The all-gathers of a compiled program whose floating-point result ends in a routed expert weight's two dims
+    ([.., emb, moe_mlp] or [.., moe_mlp, emb]): the FSDP gathers of expert weights, which experts at home
+    (mesh.rules.exp_embed=[]) never make. [] for a model without routed experts."""
+    emb, mlp = getattr(model_config, "emb_dim", 0), getattr(model_config, "moe_mlp_dim", 0)
+    if not getattr(model_config, "num_experts", 0):
+        return []
+    return [i.name for instructions in module.computations.values() for i in instructions
+            if i.opcode in ("all-gather", "all-gather-start")
+            and any(a.dtype[0] in "fb" and tuple(a.dims[-2:]) in ((emb, mlp), (mlp, emb)) for a in i.arrays)]
 
 
 RAGGED_RANKS_KNOWN_TO_CRASH = 32  # past this, XLA:GPU's one-shot ragged all-to-all crashed (openxla/xla#47283)
@@ -216,6 +230,10 @@ def format_report(r):
                      f"gathered {gathers['where']} (train.gather_weights={gathers['asked']}, "
                      f"{gathers['micro_batches']} micro-batches; "
                      f"{gathers['in_micro_batch_loop_bytes'] / 1e9:,.4g} GB of it inside the accumulation loop)")
+    if r.get("expert_weight_gathers") is not None:
+        lines.append(f"all-gathers of routed-expert weights: {r['expert_weight_gathers']}"
+                     + (" (experts at home)" if r["expert_weight_gathers"] == 0 else
+                        " (their FSDP shards gathered for the grouped GEMMs: mesh.rules.exp_embed)"))
     reductions = r.get("gradient_reductions")
     if reductions and reductions["micro_batches"] > 1:
         lines.append(f"reductions (gradients): {reductions['per_step_bytes'] / 1e9:,.4g} GB per device per step, "

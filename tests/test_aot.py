@@ -374,23 +374,30 @@ def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_ba
     assert whole["weight_gathers"]["where"] == "per step" and "gathered per micro-batch (train.gather_weights=per_micro_batch, 2 micro-batches" in result.stdout
 
 
-def test_the_ragged_decomposer_turns_the_token_all_to_all_dense_on_gpus():
-    """mesh.exchange=all_to_all on GPUs moves tokens by XLA's ragged all-to-all, whose one-shot lowering crashed past
-    32 ranks and gave wrong gradients on some builds (docs/parallelism.md): xla.ragged_decomposer=true compiles the
-    GPU step with XLA's decomposer, and the compiled program has dense all-to-alls and no ragged-all-to-all left;
-    by default the primitive stays."""
-    from MaxOffload import deviceless, from_config
+def test_the_token_all_to_all_on_gpus_gathers_no_expert_weight_and_the_decomposer_turns_it_dense():
+    """mesh.exchange=all_to_all with the experts at home (mesh.rules.exp_embed=[]) on a deviceless GB200 compile: the
+    program all-gathers no routed-expert weight (the FSDP layout of the same experts does: the check can tell), and
+    its tokens move by XLA's ragged all-to-all, whose one-shot lowering crashed past 32 ranks and gave wrong
+    gradients on some builds (docs/parallelism.md): xla.ragged_decomposer=true compiles the GPU step with XLA's
+    decomposer, dense all-to-alls and no ragged-all-to-all left; by default the primitive stays."""
+    from MaxOffload import aot, deviceless, from_config, hlo
     from MaxOffload.config import load
 
     found = {}
-    for decomposed in (True, False):
-        cfg = load(["configs/deepseek_v3.py:tiny", "train.per_device_batch_size=1", "train.seq_len=64",
-                    "mesh.ici.expert=4", "mesh.ici.fsdp=1", "mesh.exchange=all_to_all", "mesh.rules.exp_embed=[]",
-                    f"xla.ragged_decomposer={decomposed}", "run.output_dir=/tmp/maxoffload_decomposer"])
+    base = ["configs/deepseek_v3.py:tiny", "train.per_device_batch_size=1", "train.seq_len=64",
+            "mesh.exchange=all_to_all", "run.output_dir=/tmp/maxoffload_decomposer"]
+    for case, overrides in {"decomposed": ["mesh.ici.expert=4", "mesh.ici.fsdp=1", "mesh.rules.exp_embed=[]",
+                                           "xla.ragged_decomposer=true"],
+                            "ragged": ["mesh.ici.expert=4", "mesh.ici.fsdp=1", "mesh.rules.exp_embed=[]"],
+                            "fsdp_experts": ["mesh.ici.expert=2", "mesh.ici.fsdp=2"]}.items():
+        cfg = load([*base, *overrides])
         setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x4"))
         assert setup.exchanges_ragged()
         text = setup.compile_train_step().as_text()
-        found[decomposed] = (len(re.findall(r" ragged-all-to-all(?:-start)?\(", text)),
-                             len(re.findall(r" all-to-all(?:-start)?\(", text)))
-    assert found[True][0] == 0 and found[True][1] > 0
-    assert found[False][0] > 0
+        found[case] = (len(re.findall(r" ragged-all-to-all(?:-start)?\(", text)),
+                       len(re.findall(r" all-to-all(?:-start)?\(", text)),
+                       aot.expert_weight_gathers(hlo.parse(text), setup.model_config))
+    assert found["decomposed"][0] == 0 and found["decomposed"][1] > 0
+    assert found["ragged"][0] > 0
+    assert found["ragged"][2] == [] and found["decomposed"][2] == []
+    assert found["fsdp_experts"][2]  # experts sharded over fsdp: gathered for their GEMMs
