@@ -44,7 +44,8 @@ EP_CAPACITY_RUNS = {
 # the token all-to-all (mesh.exchange=all_to_all) against the all-gather exchange and one device, with multi-token
 # prediction (its MoE block exchanges too): dropless, and with a buffer of half a balanced step's rows (choices dropped)
 A2A = ["mesh.exchange=all_to_all", "model.mtp_depth=1"]
-EXCHANGE_RUNS = {  # four jobs of two runs (a run on 8 CPU devices: about 25 s on one core, more on jax 0.12)
+EXCHANGE_RUNS = {  # three jobs of 2-3 runs (a run on 8 CPU devices: about 25 s on one core, more on jax 0.12; the
+    #                 dropping buffer at expert 8 x fsdp 1 is the 4 x 2 job's arithmetic, which CI no longer repeats)
     "exchange8": {
         "single_mtp": ["single", "model.mtp_depth=1"],
         "expert8_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A],
@@ -54,10 +55,6 @@ EXCHANGE_RUNS = {  # four jobs of two runs (a run on 8 CPU devices: about 25 s o
     "exchange4": {
         "single_mtp": ["single", "model.mtp_depth=1"],
         "expert4_fsdp2_all_to_all": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", *A2A]},
-    "exchange_buffer8": {
-        "expert8_half_buffer_all_gather": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", "model.mtp_depth=1",
-                                           "model.moe_buffer_factor=0.5"],
-        "expert8_half_buffer_all_to_all": ["mesh.ici.expert=8", "mesh.ici.fsdp=1", *A2A, "model.moe_buffer_factor=0.5"]},
     "exchange_buffer4": {
         "expert4_fsdp2_half_buffer_all_gather": ["mesh.ici.expert=4", "mesh.ici.fsdp=2", "model.mtp_depth=1",
                                                  "model.moe_buffer_factor=0.5"],
@@ -733,7 +730,6 @@ def test_destination_rows_are_the_all_gathered_choices_in_expert_order():
 
 @pytest.mark.parametrize("name,reference", [("expert8_all_to_all", "single_mtp"),
                                             ("expert4_fsdp2_all_to_all", "single_mtp"),
-                                            ("expert8_half_buffer_all_to_all", "expert8_half_buffer_all_gather"),
                                             ("expert4_fsdp2_half_buffer_all_to_all",
                                              "expert4_fsdp2_half_buffer_all_gather"),
                                             ("expert8_all_to_all_ragged", "single_mtp"),
