@@ -93,7 +93,8 @@ def splash_block(length, kernel=SPLASH):
     return next((b for b in SPLASH_BLOCKS if length % b == 0), None)
 
 
-def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SPLASH, fused_backward=True):
+def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SPLASH, fused_backward=True,
+                     pad_heads=False):
     """Causal attention by jax's Pallas splash kernel: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads,
     dv] -> [b, l, heads, dv], in blocks of splash_block(l, kernel) with the fused backward (`fused_backward=False`:
     splash's separate dq and dkv kernels, for benchmarks/tpu/attention.py). `q_sharding`: q's NamedSharding: the
@@ -109,6 +110,12 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
 
     jnp = jax.numpy
     factor = q.shape[-1] ** -0.5 if scale is None else scale  # the kernel takes q unscaled: scaled once, here
+    if pad_heads:  # head dims padded with zeros to the TPU's 128 lanes (the scores and outputs are the same; the
+        #            padded output columns, zero, are cut off): benchmarks/tpu/attention.py measures whether it pays
+        lanes = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, -a.shape[-1] % SPLASH_LANES)])  # noqa: E731
+        dv = v.shape[-1]
+        out = splash_attention(lanes(q), lanes(k), lanes(v), factor, q_sharding, interpret, kernel, fused_backward)
+        return out[..., :dv]
     block = splash_block(q.shape[1], kernel)
     if block is None:
         raise ValueError(f"splash attention ({kernel}) runs blocks of {kernel.partition(':')[2] or SPLASH_BLOCKS}: "

@@ -17,6 +17,7 @@ by each kernel:
     splash_512_fused  blocks of 512, the fused backward
     splash            what model.attention=auto runs on TPUs: the largest block of 1024/512/256/128 that divides the
                       sequence, the fused backward
+    splash_padded     the same with the head dims padded with zeros to multiples of 128 lanes (MLA's 96 / 64, 192)
 
 Median of --repeats timed calls after a warm-up, every kernel in this one process; temporaries from the compiled
 program's memory analysis; TFLOP/s of the causal half's matmuls (3 x 2 (d + dv) per visible pair and head);
@@ -34,7 +35,7 @@ SHAPES = {"llama8b_gqa": dict(batch=4, length=2048, heads=32, kv_heads=8, qk_dim
           "deepseek_small": dict(batch=4, length=2048, heads=16, kv_heads=16, qk_dim=96, v_dim=64),
           "deepseek_v3_tp4": dict(batch=1, length=4096, heads=32, kv_heads=32, qk_dim=192, v_dim=128)}
 KERNELS = {"xla": None, "splash_512": ("splash:512", False), "splash_512_fused": ("splash:512", True),
-           "splash": ("splash", True)}
+           "splash": ("splash", True), "splash_padded": ("splash", True, True)}
 
 
 def attention_fn(name):
@@ -42,8 +43,9 @@ def attention_fn(name):
 
     if KERNELS[name] is None:
         return lambda q, k, v: layers.causal_attention(q, k, v, None)
-    kernel, fused = KERNELS[name]
-    return lambda q, k, v: kernels.splash_attention(q, k, v, None, kernel=kernel, fused_backward=fused)
+    kernel, fused, *padded = KERNELS[name]
+    return lambda q, k, v: kernels.splash_attention(q, k, v, None, kernel=kernel, fused_backward=fused,
+                                                    pad_heads=bool(padded))
 
 
 def step(name):
