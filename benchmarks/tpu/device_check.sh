@@ -12,7 +12,7 @@
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
 # logs.tar.gz, profile.tar.gz, attention.json. A train.py process takes ~80 s on the v5e (TPU start-up and shut-down,
 # init, two compiles, 8 steps); run_variants.py keeps one process for all the variants of a preset, which is meant to
-# fit every variant in one 10-minute call (not yet tried on the chip); a run is skipped, not cut, once 540 s have passed:
+# fit issue 43's eight variants in one 10-minute call (478 s on 2026-12-06); a run is skipped, not cut, once 540 s have passed:
 #     device run: STAGES="platform quickstart hostlink profile" bash benchmarks/tpu/device_check.sh
 #                 STAGES="attention variants" VARIANTS="l4b4_splash ds_auto" bash benchmarks/tpu/device_check.sh
 set -u -o pipefail
