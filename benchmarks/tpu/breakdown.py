@@ -14,11 +14,15 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from MaxOffload.cli import ArgumentParser, tool  # noqa: E402  (after the path, like a tool run from a checkout)
+from MaxOffload.errors import ConfigError  # noqa: E402
+
 
 def load(profile_dir):
     files = glob.glob(os.path.join(profile_dir, "**", "*.trace.json.gz"), recursive=True)
     if not files:
-        raise SystemExit(f"error: no *.trace.json.gz under {profile_dir}: give the run's profile directory")
+        raise ConfigError(f"no *.trace.json.gz under {profile_dir}: give a run's profile directory (profile.mode=xprof)")
     events = json.load(gzip.open(sorted(files)[-1]))["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     return [e for e in events if e.get("ph") == "X"], names
@@ -36,7 +40,7 @@ def breakdown(profile_dir):
     line = lambda e: names.get((e["pid"], e["tid"]))  # noqa: E731
     steps = [e for e in events if line(e) == "XLA Modules" and "train_step" in e["name"]]
     if not steps:
-        raise SystemExit(f"error: no train_step executions in the trace under {profile_dir}")
+        raise ConfigError(f"no train_step executions in the trace under {profile_dir}: profile a training run")
     time, flops = collections.Counter(), collections.Counter()
     for e in events:
         if line(e) == "XLA Ops" and not e["name"].startswith("while"):
@@ -48,14 +52,15 @@ def breakdown(profile_dir):
     return sum(e["dur"] for e in steps) / n / 1e3, rows
 
 
+@tool
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0 if argv else 2
-    top = int(argv[argv.index("--top") + 1]) if "--top" in argv else 20
-    step, rows = breakdown(argv[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("profile_dir")
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args(argv)
+    step, rows = breakdown(args.profile_dir)
     print(f"step {step:.1f} ms (device time of the train_step executions, mean)")
-    for key, ms, rate in rows[:top]:
+    for key, ms, rate in rows[:args.top]:
         print(f"{ms:8.2f} ms {100 * ms / step:5.1f}%  {f'{rate:6.1f} TFLOP/s' if rate else ' ' * 13}  {key[:100]}")
     return 0
 
