@@ -91,15 +91,25 @@ def build_report(cfg, plan, target, topology):
 
 
 def expert_weight_gathers(module, model_config):
-    """The all-gathers of a compiled program whose floating-point result ends in a routed expert weight's two dims
-    ([.., emb, moe_mlp] or [.., moe_mlp, emb]): the FSDP gathers of expert weights, which experts at home
-    (mesh.rules.exp_embed=[]) never make. [] for a model without routed experts."""
+    """The all-gathers of a compiled program with a floating-point array of routed experts' weights: its last three
+    dims emb, moe_mlp and a divisor of the experts, in any order (a shared expert's weight, [emb, moe_mlp] alone, is
+    not one): the FSDP gathers of expert weights, which experts at home (mesh.rules.exp_embed=[]) never make. [] for
+    a model without routed experts."""
     emb, mlp = getattr(model_config, "emb_dim", 0), getattr(model_config, "moe_mlp_dim", 0)
-    if not getattr(model_config, "num_experts", 0):
+    experts = getattr(model_config, "num_experts", 0)
+    if not experts:
         return []
+
+    def routed(a):  # the last three dims, in any order (XLA may gather a transposed layout): emb, moe_mlp, experts
+        rest = list(a.dims[-3:])
+        for dim in (emb, mlp):
+            if dim not in rest:
+                return False
+            rest.remove(dim)
+        return a.dtype[0] in "fb" and len(a.dims) >= 3 and rest[0] > 1 and experts % rest[0] == 0
+
     return [i.name for instructions in module.computations.values() for i in instructions
-            if i.opcode in ("all-gather", "all-gather-start")
-            and any(a.dtype[0] in "fb" and tuple(a.dims[-2:]) in ((emb, mlp), (mlp, emb)) for a in i.arrays)]
+            if i.opcode in ("all-gather", "all-gather-start") and any(routed(a) for a in i.arrays)]
 
 
 RAGGED_RANKS_KNOWN_TO_CRASH = 32  # past this, XLA:GPU's one-shot ragged all-to-all crashed (openxla/xla#47283)
