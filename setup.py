@@ -9,7 +9,7 @@ DATA = ["tokenizers>=0.19", "sentencepiece>=0.2"]
 # The deviceless GPU compile (python -m MaxOffload.aot) needs XLA's GPU compiler: the JAX CUDA plugin of
 # exactly the installed jaxlib's version (no GPU, driver or nvidia-* libraries are needed to compile).
 # jax's own `cuda13-local` extra pins jaxlib and the plugin to the jax version pip resolves, so the match
-# is computed at install time on every stack (0.10.2 on Python 3.11, the newest jax on 3.12).
+# is computed at install time on every stack (0.10.2 on Python 3.11, the newest jax requirements.txt admits on 3.12).
 AOT = ["jax[cuda13-local]"]
 # The deviceless TPU compile (python -m MaxOffload.aot --target v5e ...) and training on a TPU machine: libtpu at the
 # version the installed jax pins for its own `tpu` extra (jax 0.10.2: libtpu 0.0.42; 0.12: 0.0.50), no TPU needed
