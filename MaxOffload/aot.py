@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from MaxOffload import audit, hlo, memory, timeline, xla
+from MaxOffload import audit, hlo, memory, timeline
 from MaxOffload.cli import tool
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.reports import gib
@@ -58,7 +58,8 @@ def build_report(cfg, plan, target, topology):
     hbm, host = hbm - dropped, host + dropped
     module = hlo.parse(compiled.as_text())
     work = audit.of_compiled(module, setup)
-    predicted, simulation = timeline.of_compiled(module, setup, timeline.Rates.of(accelerator, topology))
+    rates = timeline.Rates.of(accelerator, topology)
+    predicted, simulation = timeline.of_compiled(module, setup, rates)
     usable = int(hardware.usable_hbm(accelerator, cfg.launch.mem_fraction))
     host_usable = int(accelerator.host_ram_per_gpu * HOST_USABLE)
     return {
@@ -82,7 +83,7 @@ def build_report(cfg, plan, target, topology):
         "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
         "weight_gathers": {**weight_gathers(module, setup.micro_batches), "asked": setup.gather_weights},
         "gradient_reductions": {**gradient_reductions(module, setup.micro_batches), "data_replicas": setup.replicas},
-        "host_state_traffic": host_state_traffic(setup, timeline.Rates.of(accelerator, topology), predicted),
+        "host_state_traffic": host_state_traffic(setup, rates, predicted),
         "expert_weight_gathers": len(expert_weight_gathers(module, setup.model_config))
         if getattr(setup.model_config, "num_experts", 0) else None,
         "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform), ragged_exchange_warning(setup)] if w]
@@ -121,8 +122,7 @@ def ragged_exchange_warning(setup):
     from MaxOffload.parallel import logical
 
     ranks = logical.ways(setup.mesh, setup.layout.expert)
-    if not setup.exchanges_ragged() or setup.compiler_options.get(next(iter(xla.RAGGED_DECOMPOSER))) or \
-            ranks <= RAGGED_RANKS_KNOWN_TO_CRASH:
+    if not setup.exchanges_ragged() or setup.ragged_decomposed or ranks <= RAGGED_RANKS_KNOWN_TO_CRASH:
         return None
     return (f"the token all-to-all runs XLA's ragged all-to-all over {ranks} GPUs: its one-shot lowering crashed past "
             f"{RAGGED_RANKS_KNOWN_TO_CRASH} ranks (openxla/xla#47283) and gave wrong gradients on some builds "
@@ -222,9 +222,9 @@ def format_report(r):
                      "it; its host<->device traffic is not in the compiled step)")
         traffic = r.get("host_state_traffic")
         if traffic:
-            lines.append(f"  that state's traffic a step, not in the compiled step: {traffic['h2d_bytes'] / 1e9:,.4g} GB "
-                         f"to the device, {traffic['d2h_bytes'] / 1e9:,.4g} GB back, {traffic['seconds']:.3g} s at "
-                         "the host link if none of it hides"
+            lines.append(f"  that state's traffic a step, not in the compiled step: "
+                         f"{traffic['h2d_bytes'] / 1e9:,.4g} GB to the device, {traffic['d2h_bytes'] / 1e9:,.4g} GB "
+                         f"back, {traffic['seconds']:.3g} s at the host link if none of it hides"
                          + (f" (predicted step then {traffic['step_s_if_exposed']:.4g} s)"
                             if traffic["step_s_if_exposed"] else ""))
     lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}")

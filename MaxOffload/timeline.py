@@ -409,14 +409,13 @@ def summarize(sim, step, model_flops_per_device=None):
     stalls = collections.Counter()
     moved = collections.Counter()
     groups = {}
-    parts, kinds = collections.Counter(), {}  # compute per model part; collectives per kind: [s, exposed s, bytes]
+    parts, kinds = collections.Counter(), {}  # compute per model part; collectives per kind
     for e in sim.events:
         busy[e.engine] += e.end - e.start
         if e.engine == COMPUTE:
             parts[e.component] += e.end - e.start
         elif e.engine == COLLECTIVE:
-            kind = kinds.setdefault(e.kind, [0.0, 0.0, 0.0])
-            kind[0], kind[1], kind[2] = kind[0] + e.end - e.start, kind[1] + e.stall, kind[2] + e.bytes
+            kinds.setdefault(e.kind, collections.Counter()).update(s=e.end - e.start, exposed_s=e.stall, bytes=e.bytes)
         moved[e.engine] += e.bytes
         kind = "copy" if e.engine in (D2H, H2D) else e.engine
         stalls[kind] += e.stall
@@ -441,8 +440,8 @@ def summarize(sim, step, model_flops_per_device=None):
                         "network_bytes_per_s": sim.rates.network},
         "groups": {name: {k: v for k, v in sorted(g.items())} for name, g in sorted(groups.items())},
         "compute_by_part_s": dict(parts.most_common()),
-        "collectives_by_kind": {k: {"s": v[0], "exposed_s": v[1], "bytes": v[2]}
-                                for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
+        "collectives_by_kind": {k: {key: c[key] for key in ("s", "exposed_s", "bytes")}
+                                for k, c in sorted(kinds.items(), key=lambda kc: -kc[1]["s"])},
         "model_tflops_per_device": None, "mfu": None,
     }
     if model_flops_per_device:

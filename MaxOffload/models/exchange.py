@@ -103,6 +103,16 @@ class Exchange:
     `buffer_factor`: dropless rows per device = this x a balanced step's (0: the worst case); `numerics`: the
     matmuls' policy (models/matmul.Numerics)."""
 
+    transport = None  # how the token all-to-all exchanges move rows (AllToAllExchange); None: no all-to-all
+
+    @classmethod
+    def transport_on(cls, platform):
+        """The transport this kind of exchange moves rows by on devices of `platform`: "ragged" | "padded" (auto:
+        ragged on GPUs and TPUs, padded on CPUs, whose XLA has no ragged all-to-all), None without an all-to-all."""
+        if cls.transport == "auto":
+            return "padded" if platform == "cpu" else "ragged"
+        return cls.transport
+
     def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
         self.layout, self.num_experts, self.capacity = layout, num_experts, capacity
         self.kernel, self.buffer_factor = kernel, buffer_factor
@@ -127,7 +137,7 @@ class AllGatherExchange(Exchange):
 
     def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
         super().__init__(layout, num_experts, capacity, kernel, buffer_factor, numerics)
-        self.mesh, self.layout = layout.mesh, layout
+        self.mesh = layout.mesh
         if layout.mesh is None:  # every expert local; the specs are not used
             self.ep = self.mlp = self.rows = ()
             self.tokens, self.gather, self.num_local = None, False, num_experts
@@ -263,8 +273,7 @@ class AllToAllExchange(AllGatherExchange):
             raise ValueError("mesh.exchange=all_to_all is dropless: model.capacity_factor must be 0")
         self.ranks = logical.ways(layout.mesh, self.ep) if self.mesh is not None and self.gather else 1
         self.on = "cpu" if self.mesh is None else kernels.platform(self.mesh.devices.flat[0])
-        if self.transport == "auto":
-            self.transport = "padded" if self.on == "cpu" else "ragged"
+        self.transport = self.transport_on(self.on)
 
     def describe(self):
         """One line for the log: the transport and, on CPUs, that the ragged primitive is emulated."""

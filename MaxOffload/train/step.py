@@ -120,7 +120,8 @@ class TrainSetup:
                                                      kernels.platform(mesh.devices.flat[0]))
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
         self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
-        if ragged_decomposer and self.exchanges_ragged():
+        self.ragged_decomposed = bool(ragged_decomposer) and self.exchanges_ragged()
+        if self.ragged_decomposed:
             self.compiler_options.update(xla.RAGGED_DECOMPOSER)
         check_splash(self.model_config, seq_len, self.layout)
         abstract_model = nnx.eval_shape(self._model)
@@ -179,9 +180,9 @@ class TrainSetup:
         """Whether the step moves routed tokens between GPUs by XLA's ragged all-to-all (models/exchange.py)."""
         from MaxOffload.models import exchange
 
-        kind = exchange.EXCHANGES.get(self.layout.exchange)
-        return (kernels.platform(self.mesh.devices.flat[0]) == "gpu" and bool(getattr(kind, "transport", None))
-                and kind.transport in ("auto", "ragged") and logical.ways(self.mesh, self.layout.expert) > 1
+        platform = kernels.platform(self.mesh.devices.flat[0])
+        return (platform == "gpu" and exchange.EXCHANGES[self.layout.exchange].transport_on(platform) == "ragged"
+                and logical.ways(self.mesh, self.layout.expert) > 1
                 and getattr(self.model_config, "num_experts", 0) > 0)
 
     def _model(self, layout=None):
