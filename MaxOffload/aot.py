@@ -173,8 +173,9 @@ def weight_gathers(module, micro_batches):
 
 
 def gradient_reductions(module, micro_batches):
-    """Where the step reduces (gradients over the data-parallel axes, mostly): all-reduce and reduce-scatter
-    input bytes, per step and inside the accumulation loop, as weight_gathers says for gathers."""
+    """Where the step reduces (gradients over the data-parallel axes, mostly): the bytes all-reduces and
+    reduce-scatters deliver (hlo.Module.reduced_bytes), per step and inside the accumulation loop, as
+    weight_gathers says for gathers."""
     return _in_accumulation(module, micro_batches, module.reduced_bytes)
 
 
