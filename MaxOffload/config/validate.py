@@ -196,6 +196,9 @@ def validate(cfg):
              f"model.attention_block={model.attention_block}: splash attention's block is a multiple of "
              f"{kernels.SPLASH_LANES} tokens (0 = the largest of {'/'.join(map(str, kernels.SPLASH_BLOCKS))} "
              "dividing train.seq_len)")
+    _require(model.vocab_tiles >= 0 and (model.vocab_tiles == 0 or model.vocab_size % model.vocab_tiles == 0),
+             f"model.vocab_tiles={model.vocab_tiles} must divide model.vocab_size={model.vocab_size}; give a divisor "
+             "(1 = whole logits) or 0 (auto)")
     config = models.model_config(cfg.model)
     config.validate()  # the family's own checks
     _check_model_size(config)

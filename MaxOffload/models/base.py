@@ -82,6 +82,9 @@ class ModelConfig(FromConfig):
     attention_block: int = field(0, "splash attention's block on TPUs (models/kernels.py): 0 = the largest of "
                                     "1024/512/256/128 dividing train.seq_len (the fastest on the v5e); else that "
                                     "many tokens, a multiple of 128 dividing train.seq_len")
+    vocab_tiles: int = field(0, "the loss's cross-entropy over the vocabulary in this many tiles (models/"
+                                "cross_entropy.py): the float32 logits are never whole; 1 = whole logits; 0 = "
+                                "auto: tiles of at most 8,192 columns (1 tile for a vocabulary that small)")
     scan_layers: bool = field(True, "scan over layers (compile time flat in depth); false = Python loop")
     init_std: float = field(0.02, "standard deviation of the normal weight initialiser")
 

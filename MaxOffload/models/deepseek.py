@@ -30,7 +30,7 @@ from MaxOffload.models import components, kernels, matmul, routing
 from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, KeySource, RMSNorm, SwiGLU, attention, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
-from MaxOffload.models.stack import DecoderModel, masked_cross_entropy, run_layers, stacked_layers
+from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE
 from MaxOffload.offload import names
 from MaxOffload.parallel.layout import NONE
@@ -399,17 +399,18 @@ class MTPLayer(nnx.Module):
         return normed, {"hidden": normed, **stats}
 
 
-def mtp_cross_entropy(mtp_logits, targets, mask, laid_out=lambda *a: a):
+def mtp_cross_entropy(cross_entropy, mtp_hidden, targets, mask, laid_out=lambda *a: a):
     """Multi-token prediction's loss: the mean over depths k = 1..D of depth k's mean cross-entropy, where its
-    logits at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions have no
-    such target and are masked. `laid_out`: the shifted targets and mask in the logits' token order
-    (DecoderModel.laid_out)."""
+    hidden states at position i predict targets[i + k] (the token k + 1 after inputs[i]); the last k positions
+    have no such target and are masked. `cross_entropy(hidden, targets, mask)`: (sum, count) through the shared
+    output head (DecoderModel.cross_entropy); `laid_out`: the shifted targets and mask in the hidden states' token
+    order (DecoderModel.laid_out)."""
     length = targets.shape[1]
     losses = []
-    for k, logits in enumerate(mtp_logits, start=1):
+    for k, hidden in enumerate(mtp_hidden, start=1):
         within = jnp.arange(length) < length - k
-        total, count = masked_cross_entropy(logits, *laid_out(jnp.roll(targets, -k, axis=1),
-                                                              jnp.roll(mask, -k, axis=1) * within))
+        total, count = cross_entropy(hidden, *laid_out(jnp.roll(targets, -k, axis=1),
+                                                       jnp.roll(mask, -k, axis=1) * within))
         losses.append(total / jnp.maximum(count, 1.0))
     return sum(losses) / len(losses)
 
@@ -434,12 +435,20 @@ class DeepSeek(DecoderModel):
             self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, **kind), c.mtp_depth, rngs)
 
     def __call__(self, tokens):
-        """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux).
+        """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux): aux as `hidden` gives it,
+        with MTP's hidden states made "mtp_logits" [depth, batch, length, vocab]."""
+        normed, embed, aux = self.hidden(tokens)
+        if "mtp_hidden" in aux:
+            aux["mtp_logits"] = self.unembed_normed(aux.pop("mtp_hidden"), embed)
+        return self.unembed_normed(normed, embed), aux
+
+    def hidden(self, tokens):
+        """tokens [batch, length] int32 -> (normalised hidden states, the embedding table, aux) (DecoderModel.hidden).
 
         aux: "aux_loss" (weighted sequence-wise balance loss), "metrics" (expert-load statistics),
         "model_state" (the router biases after this step's auxiliary-loss-free update) and, with MTP,
-        "mtp_logits" [depth, batch, length, vocab]: depth k's logits at position i predict the token k + 1
-        positions after tokens[i] (positions past the sequence's end are the train step's to mask)."""
+        "mtp_hidden" [depth, batch, length, emb]: depth k's normalised hidden states at position i predict the token
+        k + 1 positions after tokens[i] (positions past the sequence's end are the train step's to mask)."""
         c, host = self.config, self.params_on_host
         x, positions, embed = self.embed_tokens(tokens)
         if c.first_k_dense:
@@ -458,21 +467,22 @@ class DeepSeek(DecoderModel):
                                                 (None, *BATCH_LENGTH_EMBED))
             _, mtp = run_layers(self.mtp_layers, normed, positions, self.mtp_segments, c.scan_layers, host,
                                 with_outputs=True, per_layer=next_embeds)
-            aux["mtp_logits"] = self.unembed_normed(mtp.pop("hidden"), embed)
+            aux["mtp_hidden"] = mtp.pop("hidden")
             if c.mtp_moe:
                 stats.append((("mtp_layers", "block", "mlp"), mtp,
                               range(c.num_layers, c.num_layers + c.mtp_depth)))
         if stats:
             aux.update(self._moe_aux(stats))
-        return self.unembed_normed(normed, embed), aux
+        return normed, embed, aux
 
-    def target_losses(self, aux, targets, mask):
-        """Multi-token prediction: (mtp_loss_weight x the MTP loss, aux with mtp_logits consumed and
+    def target_losses(self, aux, targets, mask, embed):
+        """Multi-token prediction: (mtp_loss_weight x the MTP loss, aux with mtp_hidden consumed and
         metrics["mtp_loss"] added)."""
-        if "mtp_logits" not in aux:
+        if "mtp_hidden" not in aux:
             return 0.0, aux
         aux = dict(aux)
-        mtp = mtp_cross_entropy(aux.pop("mtp_logits"), targets, mask, self.laid_out)
+        mtp = mtp_cross_entropy(lambda h, t, m: self.cross_entropy(h, embed, t, m), aux.pop("mtp_hidden"), targets,
+                                mask, self.laid_out)
         aux["metrics"] = {**aux.get("metrics", {}), "mtp_loss": mtp}
         return self.config.mtp_loss_weight * mtp, aux
 

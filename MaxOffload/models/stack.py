@@ -3,10 +3,9 @@ remat/offload policies, the per-layer host-to-device copy of host-resident weigh
 layers (token embedding in, final norm and unembedding out)."""
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from MaxOffload.models import components, matmul
+from MaxOffload.models import components, cross_entropy, matmul
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
 from MaxOffload.parallel.layout import NONE
 
@@ -83,16 +82,11 @@ def _depth(stacked):
     return jax.tree.leaves(stacked)[0].shape[0]
 
 
-def masked_cross_entropy(logits, targets, mask):
-    """(sum of next-token cross-entropy over positions where mask=1, number of such positions)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.sum(losses * mask), jnp.sum(mask)
-
-
 class DecoderModel(nnx.Module):
     """embed -> (the family's layers) -> final norm -> unembed. A family's __init__ calls init_embeddings
     before building its layers and init_head after (parameter creation order fixes the random init), and its
-    __call__ runs its layers between embed_tokens and logits."""
+    `hidden` runs its layers after embed_tokens; __call__ gives the logits, `losses` the training loss's terms
+    (the cross-entropy tile by tile over the vocabulary: model.vocab_tiles, models/cross_entropy.py)."""
 
     def init_embeddings(self, c, params_on_host, rngs, layout=NONE, numerics=None):
         """layout: the parallel/layout.ParallelLayout the model is built for; numerics: the weight matmuls' policy
@@ -113,9 +107,23 @@ class DecoderModel(nnx.Module):
         unchanged by default (a family with state of its own, e.g. router biases, updates it)."""
         return nnx.to_pure_dict(nnx.state(self, nnx.Not(nnx.Param)))
 
-    def target_losses(self, aux, targets, mask):
+    def hidden(self, tokens):
+        """tokens [batch, length] int32 -> (the normalised final hidden states [batch, length, emb] in the layout's
+        token order, the embedding table on the device, aux: what target_losses consumes and the step's extras,
+        as train/step.TrainSetup.forward lists them)."""
+        raise NotImplementedError(f"{type(self).__name__} gives hidden(tokens) -> (hidden states, embedding, aux)")
+
+    def losses(self, tokens, targets, mask):
+        """(sum of next-token cross-entropy over the positions where mask=1, their number, this family's losses of
+        the targets (target_losses), aux): the training loss's terms, no logits kept whole (cross_entropy)."""
+        x, embed, aux = self.hidden(tokens)
+        extra, aux = self.target_losses(aux, targets, mask, embed)
+        return (*self.cross_entropy(x, embed, *self.laid_out(targets, mask)), extra, aux)
+
+    def target_losses(self, aux, targets, mask, embed):
         """(this family's losses of the targets beyond next-token cross-entropy, added to the objective; aux with
-        what they consumed removed and their metrics added). None by default."""
+        what they consumed removed and their metrics added). None by default. `embed`: the embedding table on the
+        device (the output head, when tied)."""
         return 0.0, aux
 
     def embed_tokens(self, tokens):
@@ -148,10 +156,6 @@ class DecoderModel(nnx.Module):
         would move them between the context shards."""
         return tuple(self.in_layout_order(a) for a in arrays)
 
-    def logits(self, x, embed):
-        """The final norm and the unembedding: logits [batch, length, vocab] float32."""
-        return self.unembed_normed(self.final_normed(x), embed)
-
     def final_normed(self, x):
         return on_device(self.final_norm, self.params_on_host)(x)
 
@@ -159,11 +163,27 @@ class DecoderModel(nnx.Module):
     def unembed_normed(self, x, embed):
         """Normalised hidden states [..., length, emb] -> logits [..., length, vocab] float32 (the output head,
         which multi-token prediction shares), in the layout's token order (embed_tokens)."""
-        c, host = self.config, self.params_on_host
-        unembed = embed.T if c.tie_embeddings else to_device(self.unembed[...], host)
-        logits = matmul.dense(x, unembed, "...le,ev->...lv", components.UNEMBED, self.numerics)
+        return self.logits_of(x, self.head(embed))
+
+    def head(self, embed):
+        """The output head [emb, vocab] on the device: the embedding table's transpose when tied."""
+        return embed.T if self.config.tie_embeddings else to_device(self.unembed[...], self.params_on_host)
+
+    def logits_of(self, x, head):
+        """x [..., length, emb] times `head` [emb, columns] (the whole head or a tile of it): float32 logits."""
+        logits = matmul.dense(x, head, "...le,ev->...lv", components.UNEMBED, self.numerics)
         batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
         return self.layout.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
+
+    def cross_entropy(self, x, embed, targets, mask):
+        """(sum, count) of next-token cross-entropy of normalised hidden states x [batch, length, emb] against
+        targets and mask [batch, length], all in the layout's token order (laid_out): through the whole logits
+        (unembed_normed), or vocabulary tile by tile under model.vocab_tiles (models/cross_entropy.tiled)."""
+        tiles = cross_entropy.tiles_for(self.config.vocab_size, self.config.vocab_tiles)
+        if tiles == 1:
+            return cross_entropy.masked(self.unembed_normed(x, embed), targets, mask)
+        with jax.named_scope(components.UNEMBED):
+            return cross_entropy.tiled(x, self.head(embed), targets, mask, tiles, self.logits_of)
 
 
 class SingleStackDecoder(DecoderModel):
@@ -181,8 +201,12 @@ class SingleStackDecoder(DecoderModel):
         self.layers = stacked_layers(lambda r: self.make_layer(c, r, self.layout, self.numerics), c.num_layers, rngs)
         self.init_head(c, rngs)
 
-    def __call__(self, tokens):
-        """tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
+    def hidden(self, tokens):
         x, positions, embed = self.embed_tokens(tokens)
         x = run_layers(self.layers, x, positions, self.remat_segments, self.config.scan_layers, self.params_on_host)
-        return self.logits(x, embed)
+        return self.final_normed(x), embed, {}
+
+    def __call__(self, tokens):
+        """tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
+        x, embed, _ = self.hidden(tokens)
+        return self.unembed_normed(x, embed)

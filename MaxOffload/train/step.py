@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxOffload import models, xla
 from MaxOffload.models import components, kernels, matmul
-from MaxOffload.models.stack import masked_cross_entropy, to_device
+from MaxOffload.models.stack import to_device
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib
@@ -237,9 +237,7 @@ class TrainSetup:
         are divided by `micro_batches`, so that the micro-batches' objectives sum to the step's. `graphdef`: the
         model's (default: self.graphdef; a data replica's share: self.replica_graphdef)."""
         model = nnx.merge(graphdef or self.graphdef, params, model_state)
-        logits, aux = _outputs(model, batch["inputs"])
-        total, own = masked_cross_entropy(logits, *model.laid_out(batch["targets"], batch["mask"]))
-        extra, aux = model.target_losses(aux, batch["targets"], batch["mask"])
+        total, own, extra, aux = model.losses(batch["inputs"], batch["targets"], batch["mask"])
         count = jnp.maximum(own, 1.0) if count is None else count
         return total / count + aux.get("aux_loss", 0.0) / micro_batches + extra / micro_batches, aux
 
@@ -338,8 +336,8 @@ class TrainSetup:
 
     def eval_step(self, params, model_state, batch):
         model = nnx.merge(self.graphdef, params, model_state)
-        logits, _ = _outputs(model, batch["inputs"])
-        return masked_cross_entropy(logits, *model.laid_out(batch["targets"], batch["mask"]))
+        x, embed, _ = model.hidden(batch["inputs"])
+        return model.cross_entropy(x, embed, *model.laid_out(batch["targets"], batch["mask"]))
 
     def abstract_batch(self, step=True):
         """Shapes, dtypes and shardings of one global batch (see MaxOffload.data): a step's (its micro-batches
