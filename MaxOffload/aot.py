@@ -15,7 +15,7 @@ launch.mem_fraction headroom) and a fits / does-not-fit verdict, host bytes (off
 activations and host-resident state), the offloaded tensors and the compile time, and the compiled-work
 audit (MaxOffload/audit.py): the matmul FLOPs the optimized program executes per part of the model against
 its model FLOPs, with a WARNING for a part over its share or a ragged_dot lowered to a dense dot; and the
-predicted step time (MaxOffload/timeline.py): the compiled schedule simulated on the target's compute, copy and
+predicted step time (MaxOffload/timeline/): the compiled schedule simulated on the target's compute, copy and
 collective engines — compute time, the copy and collective time left exposed, the share of copy time hidden,
 model TFLOP/s per device and MFU. Writes <run.output_dir>/aot_report.json (the prediction under `timeline`),
 timeline.json (the predicted step as a Chrome/Perfetto trace: open it in ui.perfetto.dev or chrome://tracing) and
@@ -25,10 +25,11 @@ import os
 import sys
 import time
 
-from MaxOffload import audit, hlo, memory, timeline
+from MaxOffload import audit, hlo, memory
 from MaxOffload.cli import tool
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.reports import gib
+from MaxOffload.timeline import engines, simulate, summary, trace
 from MaxOffload.deviceless import (HOST_USABLE, compile_only_devices, plugin_missing, require_plugin,  # noqa: F401
                                    require_target)  # (HOST_USABLE .. require_plugin re-exported)
 
@@ -58,8 +59,8 @@ def build_report(cfg, plan, target, topology):
     hbm, host = hbm - dropped, host + dropped
     module = hlo.parse(compiled.as_text())
     work = audit.of_compiled(module, setup)
-    rates = timeline.Rates.of(accelerator, topology)
-    predicted, simulation = timeline.of_compiled(module, setup, rates)
+    rates = engines.Rates.of(accelerator, topology)
+    predicted, simulation = simulate.of_compiled(module, setup, rates)
     usable = int(hardware.usable_hbm(accelerator, cfg.launch.mem_fraction))
     host_usable = int(accelerator.host_ram_per_gpu * HOST_USABLE)
     return {
@@ -234,7 +235,7 @@ def format_report(r):
     if r.get("compiled_work"):
         lines += [line for line in audit.format_audit(r["compiled_work"]) if not line.startswith("WARNING")]
     if r.get("timeline"):
-        lines += timeline.format_report(r["timeline"]) + [f"  (xla.preset={r['xla_preset']})"]
+        lines += summary.format_report(r["timeline"]) + [f"  (xla.preset={r['xla_preset']})"]
     gathers = r.get("weight_gathers")
     if gathers and gathers["micro_batches"] > 1:
         lines.append(f"all-gathers (FSDP weights): {gathers['per_step_bytes'] / 1e9:,.4g} GB per device per step, "
@@ -286,7 +287,7 @@ def main(argv):
     report, simulation = build_report(cfg, plan, cfg.aot.target, cfg.aot.topology)
     publish(cfg, "aot_report.json", report, format_report(report))
     if simulation is not None:
-        print(timeline.write_pictures(simulation, cfg.run.output_dir))
+        print(trace.write_pictures(simulation, cfg.run.output_dir))
     return 0 if report["fits"] else 1
 
 

@@ -19,7 +19,7 @@ import dataclasses
 
 GB = 10**9
 
-# The achievable share of each peak below, for the step-time timeline (MaxOffload/timeline.py) and the planner's
+# The achievable share of each peak below, for the step-time timeline (MaxOffload/timeline/) and the planner's
 # cost model (MaxOffload/offload/costs.py): three constants, fitted to five step times measured side by side on one
 # H200 (benchmarks/results/h200_2026-11-29; the fit and its leave-one-out errors:
 # benchmarks/predict_vs_measured.py, benchmarks/results/timeline_2026-12-03). For scale, square micro-benchmarks on

@@ -2,7 +2,7 @@
 
 A GPU compile's module is printed in schedule order (`is_scheduled=true`): each computation's instructions in
 the order the GPU runs them. The compiled-work audit (audit.py) counts matmuls on what this reads, the step-time
-timeline (timeline.py) simulates it.
+timeline (timeline/) simulates it.
 
 Read per instruction: its name, result type (an array type `bf16[8,16]{1,0}` or a tuple of them), opcode,
 operand names, the attribute text after the operand list, and the metadata's `op_name` and

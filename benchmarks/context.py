@@ -19,7 +19,7 @@ RoPE key per token):
 
 Per strategy: bytes each GPU receives per layer (forward and backward: the compiled all-gathers and
 reduce-scatters), temporaries per GPU (XLA's memory analysis), and the predicted time of the forward + backward
-(MaxOffload/timeline.py on the compiled program: compute, and the collectives' time not hidden behind it). The
+(MaxOffload/timeline/ on the compiled program: compute, and the collectives' time not hidden behind it). The
 weights' gradient (latent_gather's up-projections) is left out: it reduces over the data-parallel devices with
 every other weight's. Writes DIR/context.json, .md and .png.
 """
@@ -96,8 +96,8 @@ def compiled(strategy, shape, length, devices, rates):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from MaxOffload import timeline
     from MaxOffload.models import kernels
+    from MaxOffload.timeline import simulate
 
     mesh = Mesh(devices, ("context",))
     fn, inputs, weights = strategy_step(strategy, shape, mesh)
@@ -109,7 +109,7 @@ def compiled(strategy, shape, length, devices, rates):
     with kernels.lowering(devices[0]):
         c = jax.jit(fn).lower(*args).compile()
     text = c.as_text()
-    predicted, _ = timeline.simulate(text, rates, len(devices))
+    predicted, _ = simulate.simulate(text, rates, len(devices))
     return {"received_bytes": collective_bytes(text, len(devices)), "temp_bytes": c.memory_analysis().temp_size_in_bytes,
             "step_s": predicted["step_s"], "compute_s": predicted["compute_s"],
             "exposed_collective_s": predicted["exposed_collective_s"]}
@@ -125,9 +125,10 @@ def main(argv):
     from MaxOffload.platform import use_cpu_runtime
 
     use_cpu_runtime()
-    from MaxOffload import hardware, timeline
+    from MaxOffload import hardware
     from MaxOffload.config import load
     from MaxOffload.deviceless import compile_only_devices, require_plugin
+    from MaxOffload.timeline import engines
 
     lengths = [cli.whole_number("--tokens", t) for t in options["--tokens"].split(",")]
     ways = cli.whole_number("--ways", options["--ways"])
@@ -135,7 +136,7 @@ def main(argv):
     require_plugin()
     topology = f"1x1x{ways}" if ways <= 4 else f"1x{ways // 4}x4"
     devices = compile_only_devices(cfg.aot.target, topology)
-    rates = timeline.Rates.of(hardware.ACCELERATORS[cfg.aot.target], topology)
+    rates = engines.Rates.of(hardware.ACCELERATORS[cfg.aot.target], topology)
     rows = []
     for model, shape in SHAPES.items():
         for length in lengths:

@@ -13,7 +13,7 @@ fsdp x expert, for each expert degree EP of --eps (fsdp = devices / EP) and each
     all_to_all   each choice to its expert's owner and back: XLA's ragged all-to-all on GPUs and TPUs
 
 For each: the bytes its collectives move per device (the compiled program's, as the timeline costs them), temporaries
-per device (XLA's memory analysis) and the predicted time of the layer on the target (MaxOffload/timeline.py: its
+per device (XLA's memory analysis) and the predicted time of the layer on the target (MaxOffload/timeline/: its
 compute, and its collectives as exposed after overlap). The routing is a compile-time shape only: the byte counts
 are the buffers' (for the ragged all-to-all, a rank's whole send buffer: its choices, about (EP - 1) / EP of which
 leave the device when the routing is balanced). Writes DIR/moe_exchange.json, .md and .png.
@@ -56,8 +56,9 @@ def compile_layer(exchange, ep, devices, tokens, target, topology):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from MaxOffload import audit, hardware, timeline
+    from MaxOffload import audit, hardware
     from MaxOffload.models import kernels
+    from MaxOffload.timeline import engines, simulate
 
     mesh = Mesh(np.array(devices).reshape(len(devices) // ep, ep), ("fsdp", "expert"))
     kernel = kernels.grouped_gemm_for("auto", kernels.platform(devices[0]))
@@ -74,9 +75,9 @@ def compile_layer(exchange, ep, devices, tokens, target, topology):
         compiled = jax.jit(fn).lower(*args).compile()
     text = compiled.as_text()
     accelerator = hardware.ACCELERATORS[target]
-    rates = timeline.Rates.of(accelerator, topology)
+    rates = engines.Rates.of(accelerator, topology)
     domains = [d.id // rates.domain for d in mesh.devices.flat]
-    report, _ = timeline.simulate(text, rates, n, domains=domains)
+    report, _ = simulate.simulate(text, rates, n, domains=domains)
     ideal = 2 * 3 * 3 * tokens * TOP_K * EMB * MOE_MLP  # three matmuls, forward and two gradients, each row once
     return {"exchange": exchange, "ep": ep, "fsdp": n // ep, "tokens_per_device": tokens,
             "collective_bytes": report["collective_bytes"], "collective_s": report["collective_s"],

@@ -13,7 +13,7 @@ Variants (each in its own process: XLA_FLAGS must be set before the backend star
   auto                       remat.policy=auto (the planner), xla.preset=lhs_pipelined_offload
 On a GPU: measured step time (median of --steps after one warm-up), TFLOP/s per device and peak memory.
 On a CPU machine with --target: the deviceless compile's HBM/host figures per device and the step time its
-compiled timeline predicts (MaxOffload/timeline.py: step, exposed copy time, TFLOP/s; no measurement: XLA:CPU
+compiled timeline predicts (MaxOffload/timeline/: step, exposed copy time, TFLOP/s; no measurement: XLA:CPU
 ignores the GPU presets and keeps offloaded tensors). The auto row runs under the preset the planner chose.
 On a CPU machine without --target: measured CPU step times (presets have no effect there).
 Prints a table (TFLOP/s/device and speed-up over remat), writes DIR/offload_sweep.csv and .png.
@@ -51,13 +51,14 @@ from MaxOffload import models, from_config
 from MaxOffload.train import flops
 row = {}
 if target:
-    from MaxOffload import hardware, timeline
+    from MaxOffload import hardware
     from MaxOffload.memory import compiled_bytes
+    from MaxOffload.timeline import engines, simulate
     plan = planner.plan_for(cfg, target, topology, log=lambda *a: None)
     setup = from_config.train_setup(cfg, planner._target_devices(target, topology), plan)
     compiled = setup.compile_train_step()
     hbm, host = compiled_bytes(compiled.memory_analysis())
-    predicted = timeline.of_compiled(compiled, setup, timeline.Rates.of(hardware.ACCELERATORS[target], topology))[0]
+    predicted = simulate.of_compiled(compiled, setup, engines.Rates.of(hardware.ACCELERATORS[target], topology))[0]
     row.update(mode="deviceless", hbm_gib=hbm / 2**30, host_gib=host / 2**30, measured=False,
                tflops_per_device=predicted["model_tflops_per_device"], step_s=predicted["step_s"],
                exposed_copy_s=predicted["exposed_copy_s"], exposed_collective_s=predicted["exposed_collective_s"],

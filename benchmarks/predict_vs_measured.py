@@ -7,7 +7,7 @@ benchmarks/results/h200_2026-11-29/offload_sweep.csv: one H200, jax 0.11.2, the 
 benchmarks/gpu/offload_check.py, XLA's chunked attention then). Each variant is compiled here, deviceless for the
 same GPU, as it was run (its policy and xla.preset, model.attention=xla; the `auto` row as the planner planned it
 then: every tagged tensor kept in HBM; with another --measured CSV, as today's planner plans it for the target),
-and its compiled schedule is simulated (MaxOffload/timeline.py) with the calibration in the code. Printed: per variant the measured and predicted step time, their ratio, and both
+and its compiled schedule is simulated (MaxOffload/timeline/) with the calibration in the code. Printed: per variant the measured and predicted step time, their ratio, and both
 rankings. Then the three constants fitted to these points (least squares of the log ratio, a pattern search from
 the code's values) and leave-one-out: each point predicted by the constants fitted on the others.
 Writes DIR/predict_vs_measured.md and .json. Five deviceless compiles: about 4 minutes on 2 CPU cores.
@@ -95,10 +95,10 @@ def compile_variant(name, target, plan_auto=False):
 
 
 def predict(modules, accelerator, calibration):
-    from MaxOffload import timeline
+    from MaxOffload.timeline import engines, simulate
 
-    rates = timeline.Rates.of(accelerator, "1x1" if accelerator.platform == "tpu" else "1x1x1", calibration)
-    return {name: timeline.simulate(m, rates, work=work)[0]["step_s"] for name, (m, work) in modules.items()}
+    rates = engines.Rates.of(accelerator, "1x1" if accelerator.platform == "tpu" else "1x1x1", calibration)
+    return {name: simulate.simulate(m, rates, work=work)[0]["step_s"] for name, (m, work) in modules.items()}
 
 
 def loss(predicted, measured):

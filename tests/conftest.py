@@ -72,16 +72,16 @@ def process_env(args, env=None):
 
 
 def predicted_steps(programs, names, rates):
-    """{name: the step time MaxOffload/timeline.py predicts under `rates`} of recorded compiled programs,
+    """{name: the step time MaxOffload/timeline/ predicts under `rates`} of recorded compiled programs,
     tests/data/<programs>/<name>.hlo.gz (written by benchmarks/predict_vs_measured.py --save_programs)."""
     import gzip
 
-    from MaxOffload import timeline
+    from MaxOffload.timeline import simulate
 
     predicted = {}
     for name in names:
         with gzip.open(os.path.join(ROOT, "tests", "data", programs, f"{name}.hlo.gz"), "rt") as f:
-            predicted[name] = timeline.simulate(f.read(), rates)[0]["step_s"]
+            predicted[name] = simulate.simulate(f.read(), rates)[0]["step_s"]
     return predicted
 
 

@@ -1,4 +1,4 @@
-"""The step-time timeline (MaxOffload/timeline.py): hand-written scheduled modules with known answers, the
+"""The step-time timeline (MaxOffload/timeline/): hand-written scheduled modules with known answers, the
 deviceless GB200 compile of the quickstart under an offload policy, the five H200 programs against their measured
 step times, and the planner ranking plans by their compiled timelines."""
 import collections
@@ -7,13 +7,14 @@ import os
 
 import pytest
 
-from MaxOffload import hardware, hlo, timeline
+from MaxOffload import hardware, hlo
+from MaxOffload.timeline import engines, plot, schedule, simulate, summary, trace
 from conftest import ROOT, predicted_steps
 
 MS = 1e-3
 # Round rates: a kernel of 1e9 FLOPs takes 1 ms; HBM so fast that bytes never decide a kernel here; the host link
 # moves 2.5e6 bytes in 2.5 ms; NVLink 1e9 bytes/s within a domain of 4 devices, the network 1e8 across.
-RATES = timeline.Rates("test", peak_flops=1e12, matmul_flops=1e12, hbm_bytes=1e18, host_link=1e9, nvlink=1e9,
+RATES = engines.Rates("test", peak_flops=1e12, matmul_flops=1e12, hbm_bytes=1e18, host_link=1e9, nvlink=1e9,
                        network=1e8, domain=4)
 
 # dot [500,1000] x [1000,1000]: 2 x 500 x 1000 x 1000 = 1e9 FLOPs = 1 ms
@@ -51,7 +52,7 @@ def module(body, computations=""):
 
 
 def run(text):
-    return timeline.simulate(text, RATES)
+    return simulate.simulate(text, RATES)
 
 
 @pytest.mark.parametrize("between", [0, 1, 2, 3])
@@ -111,9 +112,9 @@ def test_an_async_all_gather_overlaps_a_gemm():
     # the mesh form of XLA 2026 (jaxlib 0.10.2's GPU compiles): groups along the axes in braces of the device ids
     # laid out on the mesh; here two groups of 4 in one NVLink domain each ({0,1,2,3}, {4,5,6,7}), then the 4 pairs
     # that cross the domains ({0,4}, ...: each member's whole share from the other domain, 1e6 bytes, 10 ms)
-    assert timeline.replica_groups("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) "
+    assert schedule.replica_groups("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) "
                                    "{'axis_0'}, dimensions={0}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert timeline.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'},", 8)[:2] == [[0, 4], [1, 5]]
+    assert schedule.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'},", 8)[:2] == [[0, 4], [1, 5]]
     in_domain = "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'},"
     assert run(gather_module(250, in_domain, 3))[0]["step_s"] == pytest.approx(4 * MS)
 
@@ -134,12 +135,12 @@ def test_an_fp8_gemm_runs_at_twice_the_bf16_rate():
             + gemm.format(n="bf16", ops="%x, %y", target="__cublas$gemm")
             + "  ROOT %out = bf16[500,1000]{1,0} get-tuple-element(%bf16), index=0\n}\n")
     report, sim = run(text)
-    durations = {e.name: e.end - e.start for e in sim.events if e.engine == timeline.COMPUTE}
+    durations = {e.name: e.end - e.start for e in sim.events if e.engine == engines.COMPUTE}
     assert durations["f8"] == pytest.approx(0.5 * MS) and durations["bf16"] == pytest.approx(1 * MS)
     # MFU against the step's own mix: 1e9 FLOPs at 1e12 and 1e9 at 2e12 -> 2e9 FLOPs in 1.5 ms at peak
     assert report["fp8_matmul_flops"] == pytest.approx(1e9)
-    assert timeline.mixed_peak(RATES, report) == pytest.approx(2e9 / 1.5e-3)
-    gb200 = timeline.Rates.of(hardware.ACCELERATORS["gb200"])
+    assert summary.mixed_peak(RATES, report) == pytest.approx(2e9 / 1.5e-3)
+    gb200 = engines.Rates.of(hardware.ACCELERATORS["gb200"])
     assert gb200.fp8_matmul_flops == pytest.approx(2 * gb200.matmul_flops)
 
 
@@ -191,7 +192,7 @@ def test_a_while_loop_runs_its_body_trip_count_times_and_a_conditional_its_deare
     assert report["compute_s"] == pytest.approx((3 * 2 + 4 + 1) * MS, rel=1e-4)  # the branch's copy moves 2e6 B
     assert report["d2h_bytes"] == 3 * 2.5e6
     assert [(w[0], w[1]) for w in sim.windows] == [("layers_0_2 forward (loop)", i) for i in range(3)]
-    start, end, label = timeline.layer_window(sim)
+    start, end, label = plot.layer_window(sim)
     assert label == "layers_0_2 forward (loop), iteration 2 of 3" and end - start == pytest.approx(2.5 * MS)
 
 
@@ -217,8 +218,8 @@ def test_fused_slices_and_in_place_updates_count_the_slice_not_the_buffer():
                                "  %u = f32[8,1000,1000]{2,1,0} fusion(%stack, %s, %i), kind=kLoop, "
                                "calls=%fused_update\n", computations))
     by_name = {i.name: i for i in module_.computations[module_.entry]}
-    assert timeline.kernel_bytes(module_, module_.entry, by_name["s"]) == 2 * 4e6 + 4  # the slice read and written
-    assert timeline.kernel_bytes(module_, module_.entry, by_name["u"]) == 2 * 4e6 + 4  # the update read and written
+    assert schedule.kernel_bytes(module_, module_.entry, by_name["s"]) == 2 * 4e6 + 4  # the slice read and written
+    assert schedule.kernel_bytes(module_, module_.entry, by_name["u"]) == 2 * 4e6 + 4  # the update read and written
     assert hlo.nbytes("(f32[2]{0:S(5)}, bf16[4]{0})", host=True) == 8
     assert hlo.nbytes("(f32[2]{0:S(5)}, bf16[4]{0})", host=False) == 8
 
@@ -235,8 +236,8 @@ def test_the_quickstart_on_gb200_exposes_its_copies_under_baseline_and_the_trace
     setup = from_config.train_setup(cfg, deviceless.compile_only_devices("gb200", "1x1x1"))
     module_ = hlo.parse(setup.compile_train_step().as_text())
     gb200 = hardware.ACCELERATORS["gb200"]
-    report, sim = timeline.of_compiled(module_, setup, timeline.Rates.of(gb200))
-    free = timeline.simulate(module_, timeline.Rates.of(gb200, calibration={"link_efficiency": 1e9}))[0]
+    report, sim = simulate.of_compiled(module_, setup, engines.Rates.of(gb200))
+    free = simulate.simulate(module_, engines.Rates.of(gb200, calibration={"link_efficiency": 1e9}))[0]
     assert report["d2h_bytes"] > 0 and report["h2d_bytes"] > 0
     assert report["exposed_copy_s"] > 0 and free["exposed_copy_s"] == pytest.approx(0, abs=1e-12)
     assert report["step_s"] > free["step_s"]
@@ -245,11 +246,11 @@ def test_the_quickstart_on_gb200_exposes_its_copies_under_baseline_and_the_trace
     assert 0 < report["mfu"] < 1 and report["model_tflops_per_device"] > 0
     assert "layers_0_3" in report["groups"]
 
-    timeline.write_pictures(sim, str(tmp_path))
-    trace = json.loads((tmp_path / "timeline.json").read_text())
+    trace.write_pictures(sim, str(tmp_path))
+    written = json.loads((tmp_path / "timeline.json").read_text())
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    compute_tid = next(e["tid"] for e in trace["traceEvents"] if e.get("args", {}).get("name") == "compute")
-    seen = collections.Counter(e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == compute_tid)
+    compute_tid = next(e["tid"] for e in written["traceEvents"] if e.get("args", {}).get("name") == "compute")
+    seen = collections.Counter(e["name"] for e in written["traceEvents"] if e["ph"] == "X" and e["tid"] == compute_tid)
     expected = collections.Counter()
 
     def walk(computation, times):
@@ -260,15 +261,15 @@ def test_the_quickstart_on_gb200_exposes_its_copies_under_baseline_and_the_trace
             elif ins.opcode == "fusion" and not any(a.host for a in hlo.arrays(ins.shape)) and not any(
                     a.host for o in ins.operands for a in hlo.arrays(module_.shapes(computation).get(o, ""))):
                 expected[ins.name] += times
-            elif ins.opcode == "custom-call" and not ins.target().startswith(timeline.NOT_KERNELS):
+            elif ins.opcode == "custom-call" and not ins.target().startswith(schedule.NOT_KERNELS):
                 expected[ins.name] += times
 
     walk(module_.entry, 1)
     assert expected and all(seen[name] == n for name, n in expected.items()), \
         {n: (seen[n], k) for n, k in expected.items() if seen[n] != k}
-    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in written["traceEvents"] if e["ph"] == "X")
     # a step of more events than a trace viewer takes: its first ones in time, and the trace says so
-    short = timeline.trace(sim, limit=10)["traceEvents"]
+    short = trace.trace(sim, limit=10)["traceEvents"]
     assert [e["ts"] for e in short if e["ph"] == "X"] == sorted(e.start * 1e6 for e in sim.events)[:10]
     assert f"its first 10 of {len(sim.events):,} events" in short[0]["args"]["name"]
 
@@ -282,7 +283,7 @@ def test_the_h200_programs_are_predicted_within_20_percent_and_ranked_as_measure
 
     with open(os.path.join(ROOT, "benchmarks", "results", "h200_2026-11-29", "offload_sweep.csv")) as f:
         measured = {r["variant"]: float(r["step_s"]) for r in csv.DictReader(f)}
-    predicted = predicted_steps("h200_programs", measured, timeline.Rates.of(hardware.ACCELERATORS["h200"]))
+    predicted = predicted_steps("h200_programs", measured, engines.Rates.of(hardware.ACCELERATORS["h200"]))
     for name, seconds in measured.items():
         assert predicted[name] == pytest.approx(seconds, rel=0.2), (name, predicted[name], seconds)
     order = sorted(measured, key=predicted.get)
@@ -309,7 +310,7 @@ def test_the_planner_ranks_an_offload_plan_by_its_timeline_per_host_link():
         for name, policy in plans.items():
             setup = from_config.train_setup(load([*model, *policy]), deviceless.compile_only_devices(target, "1x1x1"))
             trial = planner.measure(planner.Trial(name, "baseline", {}, {}), setup, machine(accelerator, 0.9),
-                                    timeline.Rates.of(accelerator))
+                                    engines.Rates.of(accelerator))
             assert trial.fits and not trial.error
             steps[name] = trial.step_s
         ratio[target] = steps["offload"] / steps["remat"]

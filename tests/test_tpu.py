@@ -6,7 +6,8 @@ import os
 import pytest
 
 from conftest import ROOT, predicted_steps, run_cli
-from MaxOffload import audit, hardware, hlo, memory, platform, timeline
+from MaxOffload import audit, hardware, hlo, memory, platform
+from MaxOffload.timeline import engines
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=256", "train.per_device_batch_size=8"]
 
@@ -222,7 +223,7 @@ def test_the_v5e_programs_are_predicted_within_15_percent_and_ordered_as_measure
     --save_programs), simulated with the TPU calibration in the code."""
     with open(os.path.join(ROOT, "benchmarks", "results", "tpu_v5e_2026-12-05", "measured_variants.json")) as f:
         measured = {name: run["summary"]["mean_step_time_s"] for name, run in json.load(f).items()}
-    predicted = predicted_steps("v5e_programs", measured, timeline.Rates.of(hardware.ACCELERATORS["v5e"], "1x1"))
+    predicted = predicted_steps("v5e_programs", measured, engines.Rates.of(hardware.ACCELERATORS["v5e"], "1x1"))
     for name, seconds in measured.items():
         assert predicted[name] == pytest.approx(seconds, rel=0.15), (name, predicted[name], seconds)
     for size in ("l4b4", "l2b8"):  # keep < remat < offload, as measured

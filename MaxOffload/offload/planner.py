@@ -21,7 +21,7 @@ model (MaxOffload/offload/costs.py) and search (MaxOffload/offload/search.py), t
      - compute available to hide copies = the layer's forward FLOPs / achievable peak (the sum of its
        tagged matmuls plus the Q.K^T scores) for the copy to host, 2x that (+ recomputation) for the copy back;
      - achievable rates = hardware.CALIBRATION's shares of the table's peaks: the step-time timeline's
-       calibration (MaxOffload/timeline.py), so the search and the final choice price work alike.
+       calibration (MaxOffload/timeline/), so the search and the final choice price work alike.
      - storing a tensor (kept or offloaded) costs bytes x Machine.save_s_per_byte of step time: 2 / HBM
        bandwidth on a GPU, CPU_SAVE_S_PER_BYTE (measured) on XLA:CPU.
    HBM budget = capacity x launch.mem_fraction - base. With a GPU target the base and the backward's
@@ -41,7 +41,7 @@ model (MaxOffload/offload/costs.py) and search (MaxOffload/offload/search.py), t
    overshoot to the budget and searches again (at most CONFIRM_ROUNDS compiles, then PlanError).
 3. The final choice by compiled timelines (confirm): the search's plan, the plans the search makes when no copy
    hides and when every copy hides, and full remat are each compiled and their schedules simulated
-   (MaxOffload/timeline.py); the fastest that fits HBM and host memory is then compiled under each other XLA preset
+   (MaxOffload/timeline/); the fastest that fits HBM and host memory is then compiled under each other XLA preset
    (xla.PRESETS) and the fastest plan x preset that fits wins (`choose`). Each distinct plan and preset is one
    compile: 4-8 for a model (the full-remat anchor's compile serves as the full-remat candidate).
 4. Output: a table (tensor, group, bytes, decision, reason), the candidates with their predicted step times,
@@ -59,7 +59,7 @@ import math
 import os
 import sys
 
-from MaxOffload import audit, hardware, hlo, memory, timeline, xla
+from MaxOffload import audit, hardware, hlo, memory, xla
 from MaxOffload.cli import tool
 from MaxOffload.errors import PlanError
 from MaxOffload.jsonfile import Unreadable, every, read_json
@@ -70,6 +70,7 @@ from MaxOffload.offload import names
 from MaxOffload.offload.policy import DEVICE, OFFLOAD, REMAT
 from MaxOffload.offload.search import HBM_MARGIN, Choice, plan_error, search
 from MaxOffload.reports import write_json
+from MaxOffload.timeline import engines, simulate, summary
 
 PLANNER_VERSION = 4
 CONFIRM_ROUNDS = 3  # confirming compiles before PlanError
@@ -146,7 +147,7 @@ class Trial:
     hbm: float = None
     host: float = None
     work: dict = None  # the compiled-work audit
-    timeline: dict = None  # MaxOffload/timeline.py's report
+    timeline: dict = None  # MaxOffload/timeline/'s report (summary.summarize)
     error: str = ""  # the compile failed (XLA's first line)
     fits: bool = False
 
@@ -169,7 +170,7 @@ def measure(trial, setup, m, rates, compiled=None):
     trial.fits = trial.hbm <= m.hbm_usable * (1 - HBM_MARGIN / 2) and trial.host <= m.host_budget
     module = hlo.parse(compiled.as_text())
     trial.work = audit.of_compiled(module, setup)
-    trial.timeline = timeline.of_compiled(module, setup, rates)[0]
+    trial.timeline = simulate.of_compiled(module, setup, rates)[0]
     return trial
 
 
@@ -270,7 +271,7 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
         return result
     import jax
 
-    rates = timeline.Rates.of(accelerator, topology or f"1x1x{len(devices or jax.devices())}")
+    rates = engines.Rates.of(accelerator, topology or f"1x1x{len(devices or jax.devices())}")
     label = _search_label(m.overlap)
     for round_ in range(CONFIRM_ROUNDS):
         variant = setup.with_plan(to_offload_plan(setup.plan, result))
@@ -416,7 +417,7 @@ def format_plan(result):
             lines.append(f"  {t.label:<30} {t.preset:<22} {gib(t.hbm):>11} {gib(t.host):>11} "
                          f"{t.step_s * 1e3:>9,.4g} ms{'' if t.fits else '  does not fit'}{chosen}")
     if result.timeline:
-        lines += timeline.format_report(result.timeline)
+        lines += summary.format_report(result.timeline)
     else:
         lines.append(f"predicted step time (analytic, no compile) {result.step_time() * 1e3:,.1f} ms, "
                      f"{result.tflops_per_device():,.1f} TFLOP/s per device")

@@ -29,7 +29,7 @@ class Choice:
     other_s: float = 0.0  # embedding/unembedding etc.: outside the layers, per micro-batch
     micro_batches: int = 1  # per step (train.grad_accum_steps): memory is planned for one, time counts all
     xla_preset: str = None  # the XLA preset it compiles under (None: the run's own)
-    timeline: dict = None  # the chosen plan's compiled timeline (MaxOffload/timeline.py), once confirmed
+    timeline: dict = None  # the chosen plan's compiled timeline (MaxOffload/timeline/), once confirmed
     trials: list = dataclasses.field(default_factory=list)  # planner.Trial: the candidates of the final choice
 
     def hbm_bytes(self, decisions=None):

@@ -1,0 +1,93 @@
+"""The report of a simulated step: its figures (summarize: the dict the aot report holds under `timeline` and the
+planner ranks by) and their lines for people (format_report)."""
+import collections
+
+from MaxOffload import hardware
+from MaxOffload.timeline.engines import COLLECTIVE, COMPUTE, D2H, H2D
+
+
+def summarize(sim, step, model_flops_per_device=None):
+    """The figures of a finished Simulation whose step took `step` seconds: the engines' busy and exposed time, the
+    bytes they moved, the same split per layer segment (`groups`), compute per model part, collectives per kind,
+    and with the model's FLOPs per device its TFLOP/s and MFU."""
+    busy = collections.Counter()
+    stalls = collections.Counter()
+    moved = collections.Counter()
+    groups = {}
+    parts, kinds = collections.Counter(), {}  # compute per model part; collectives per kind
+    for e in sim.events:
+        busy[e.engine] += e.end - e.start
+        if e.engine == COMPUTE:
+            parts[e.component] += e.end - e.start
+        elif e.engine == COLLECTIVE:
+            kinds.setdefault(e.kind, collections.Counter()).update(s=e.end - e.start, exposed_s=e.stall, bytes=e.bytes)
+        moved[e.engine] += e.bytes
+        kind = "copy" if e.engine in (D2H, H2D) else e.engine
+        stalls[kind] += e.stall
+        g = groups.setdefault(e.segment, collections.Counter())
+        g[f"{e.engine}_s"] += e.end - e.start
+        if e.engine != COMPUTE:
+            g[f"exposed_{kind}_s"] += e.stall
+    copy_s = busy[D2H] + busy[H2D]
+    report = {
+        "target": sim.rates.name, "step_s": step, "compute_s": busy[COMPUTE],
+        "exposed_copy_s": stalls["copy"], "exposed_collective_s": stalls[COLLECTIVE],
+        "d2h_s": busy[D2H], "h2d_s": busy[H2D], "copy_s": copy_s, "collective_s": busy[COLLECTIVE],
+        "d2h_bytes": moved[D2H], "h2d_bytes": moved[H2D], "collective_bytes": moved[COLLECTIVE],
+        "copy_hidden_fraction": 1 - stalls["copy"] / copy_s if copy_s else None,
+        "collective_hidden_fraction": 1 - stalls[COLLECTIVE] / busy[COLLECTIVE] if busy[COLLECTIVE] else None,
+        "compiled_matmul_flops": sum(e.flops for e in sim.events),
+        "fp8_matmul_flops": sum(e.fp8_flops for e in sim.events),
+        "kernels": sum(1 for e in sim.events if e.engine == COMPUTE),
+        "unknown_trip_counts": sim.unknown_trip_counts,
+        "calibration": {"matmul_flops": sim.rates.matmul_flops, "hbm_bytes_per_s": sim.rates.hbm_bytes,
+                        "host_link_bytes_per_s": sim.rates.host_link, "nvlink_bytes_per_s": sim.rates.nvlink,
+                        "network_bytes_per_s": sim.rates.network},
+        "groups": {name: {k: v for k, v in sorted(g.items())} for name, g in sorted(groups.items())},
+        "compute_by_part_s": dict(parts.most_common()),
+        "collectives_by_kind": {k: {key: c[key] for key in ("s", "exposed_s", "bytes")}
+                                for k, c in sorted(kinds.items(), key=lambda kc: -kc[1]["s"])},
+        "model_tflops_per_device": None, "mfu": None,
+    }
+    if model_flops_per_device:
+        report["model_tflops_per_device"] = model_flops_per_device / step / 1e12
+        report["mfu"] = model_flops_per_device / step / mixed_peak(sim.rates, report)
+    return report
+
+
+def mixed_peak(rates, report):
+    """The peak FLOP/s MFU counts against: BF16's for the step's BF16 GEMMs, FP8's (fp8_matmul_flops over
+    matmul_flops times BF16's) for its FP8 GEMMs, weighted by their FLOPs; BF16's when it has no FP8 GEMM."""
+    fp8_peak = rates.peak_flops * (rates.fp8_matmul_flops or 2 * rates.matmul_flops) / rates.matmul_flops
+    return hardware.mixed_peak(rates.peak_flops, fp8_peak, report["compiled_matmul_flops"], report["fp8_matmul_flops"])
+
+
+def format_report(r):
+    """Lines for the aot tool and the planner."""
+    hidden = "n/a" if r["copy_hidden_fraction"] is None else f"{r['copy_hidden_fraction']:.0%}"
+    lines = [f"predicted step time on {r['target']}: {_ms(r['step_s'])} = compute {_ms(r['compute_s'])} "
+             f"+ exposed copies {_ms(r['exposed_copy_s'])} + exposed collectives {_ms(r['exposed_collective_s'])}",
+             f"  host copies: D2H {_gb(r['d2h_bytes'])} in {_ms(r['d2h_s'])}, H2D {_gb(r['h2d_bytes'])} in "
+             f"{_ms(r['h2d_s'])}, {hidden} hidden under compute; collectives {_gb(r['collective_bytes'])} in "
+             f"{_ms(r['collective_s'])}"]
+    if r["model_tflops_per_device"]:
+        lines.append(f"  predicted {r['model_tflops_per_device']:,.1f} model TFLOP/s per device, MFU "
+                     f"{r['mfu']:.1%}")
+    if r.get("compute_by_part_s"):
+        lines.append("  compute by part: " + ", ".join(f"{part} {_ms(t)}" for part, t in
+                                                      list(r["compute_by_part_s"].items())[:6]))
+    if r.get("collectives_by_kind"):
+        lines.append("  collectives by kind: " + ", ".join(
+            f"{kind} {_gb(c['bytes'])} in {_ms(c['s'])} ({_ms(c['exposed_s'])} exposed)"
+            for kind, c in r["collectives_by_kind"].items()))
+    if r["unknown_trip_counts"]:
+        lines.append(f"  WARNING: {len(r['unknown_trip_counts'])} loop(s) without a known trip count were run once")
+    return lines
+
+
+def _gb(n):
+    return f"{n / 1e9:,.3g} GB"
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:,.4g} ms"
