@@ -91,15 +91,12 @@ def train_setup(cfg, devices=None, plan=None):
 
     device_mesh = mesh.make(cfg.mesh, devices)
     plan = plan if plan is not None else static_plan(cfg)
-    return step.TrainSetup(models.model_config(cfg.model), plan,
-                           device_mesh,
-                           {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()},
-                           exchange=cfg.mesh.exchange, tx=optimizer.build(cfg.train),
-                           schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
-                           per_device_batch=cfg.train.per_device_batch_size,
-                           micro_batches=micro_batches(cfg, device_mesh.size),
-                           gather_weights=cfg.train.gather_weights, reduce_gradients=cfg.train.reduce_gradients,
-                           ragged_decomposer=bool(cfg.xla.ragged_decomposer),
-                           numerics=numerics(cfg, plan), seed=cfg.run.seed,
-                           on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite],
-                           context_attention=cfg.mesh.context_attention, load_balance=cfg.mesh.context_load_balance)
+    return step.TrainSetup(step.StepSpec(
+        models.model_config(cfg.model), plan, device_mesh,
+        {axis: tuple(mesh_axes) for axis, mesh_axes in cfg.mesh.rules.items()},
+        tx=optimizer.build(cfg.train), schedule=optimizer.schedule(cfg.train), seq_len=cfg.train.seq_len,
+        per_device_batch=cfg.train.per_device_batch_size, seed=cfg.run.seed, exchange=cfg.mesh.exchange,
+        micro_batches=micro_batches(cfg, device_mesh.size), gather_weights=cfg.train.gather_weights,
+        reduce_gradients=cfg.train.reduce_gradients, ragged_decomposer=bool(cfg.xla.ragged_decomposer),
+        numerics=numerics(cfg, plan), on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite],
+        context_attention=cfg.mesh.context_attention, load_balance=cfg.mesh.context_load_balance))

@@ -64,6 +64,7 @@ from MaxOffload.cli import tool
 from MaxOffload.errors import PlanError
 from MaxOffload.jsonfile import Unreadable, every, read_json
 from MaxOffload.memory import compiled_bytes
+from MaxOffload.models import cross_entropy
 from MaxOffload.offload.costs import (ASSUMED_OVERLAP, OFFLOAD_STAGING_LAYERS, Candidate, cost_model, cpu_machine, gib,
                                       machine, usage, with_recompute_hbm)
 from MaxOffload.offload import names
@@ -101,7 +102,7 @@ def _accelerator(target, devices):
 
 def analytic_base(setup, groups, logits_vocab):
     """Full-remat HBM without a compile: state on the device + gradients + the stacked scan carry +
-    float32 logits and their gradient + twice one layer's tagged tensors (the backward's working set)."""
+    float32 logits of `logits_vocab` columns (a vocabulary tile's) and their gradient + twice one layer's tagged tensors (the backward's working set)."""
     from MaxOffload.train.step import DEVICE as DEVICE_KIND
 
     state = setup.state_bytes_per_device(DEVICE_KIND)
@@ -263,7 +264,8 @@ def decide(cfg, target=None, topology=None, confirm=True, log=print):
         source = ("deviceless compiles" if target else "compiles") + \
             f" of full remat ({gib(full_hbm)}) and keep-everything ({gib(saved_hbm)})"
     else:
-        base, source = analytic_base(setup, groups, mc.vocab_size), "analytic estimate (no compile)"
+        tile = mc.vocab_size // cross_entropy.tiles_for(mc.vocab_size, mc.vocab_tiles)  # the loss's logits at once
+        base, source = analytic_base(setup, groups, tile), "analytic estimate (no compile)"
     result = Choice({}, {}, candidates, costs, m, base, source, model_flops_per_device=model_flops, other_s=other_s,
                     micro_batches=setup.micro_batches, xla_preset=setup.plan.xla_preset)
     result.decisions, result.reasons = search(candidates, costs, m, base)

@@ -1,4 +1,5 @@
 """The pure, jitted core: train state, loss, one training step, one evaluation step."""
+import dataclasses
 import math
 
 import jax
@@ -79,80 +80,101 @@ def halt_on_nonfinite(step, finite):
 ON_NONFINITE = {"skip": skip_nonfinite, "stop": halt_on_nonfinite}
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a training step is built from (MaxOffload/from_config.train_setup reads it from a config): TrainSetup(spec)
+    builds the step; the same run under another plan or mesh is dataclasses.replace(spec, plan=...)."""
+    model_config: object  # the family's model configuration (TrainSetup chooses its kernels for the mesh's devices)
+    plan: object  # the OffloadPlan
+    mesh: object  # the jax Mesh the step runs on (compile-only devices for a deviceless target)
+    rules: dict  # {logical axis: mesh axes}
+    tx: object  # the optax optimizer
+    schedule: object  # its learning-rate schedule
+    seq_len: int
+    per_device_batch: float
+    seed: int
+    exchange: str = "all_gather"  # the MoE exchange (models/exchange.py)
+    micro_batches: int = 1  # per optimizer step (gradient accumulation: a step's batch is [micro_batches, rows, len])
+    # with several micro-batches: PER_MICRO_BATCH (the fsdp-sharded weights all-gathered inside each micro-batch's
+    # passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step)
+    gather_weights: str = PER_MICRO_BATCH
+    # with several micro-batches and a data axis: PER_MICRO_BATCH (XLA sums each micro-batch's gradients over the
+    # data replicas) or PER_STEP (each replica accumulates its own; one sum over the data axis a step)
+    reduce_gradients: str = PER_MICRO_BATCH
+    ragged_decomposer: bool = False  # XLA:GPU decomposes the exchange's ragged all-to-all (xla.ragged_decomposer)
+    numerics: object = None  # the weight matmuls' models/matmul.Numerics (None: bf16 in the compute dtype)
+    on_nonfinite: object = skip_nonfinite  # skip_nonfinite or halt_on_nonfinite
+    # how a sequence split over the context axes attends (mesh.context_attention) and whether its tokens are laid out
+    # for balanced causal work
+    context_attention: str = "all_gather"
+    load_balance: bool = False
+
+
 class TrainSetup:
-    """What a run needs to create, shard and step its state; built once (MaxOffload/from_config.train_setup makes
-    one from a config).
+    """What a run needs to create, shard and step its state, built once from a StepSpec.
 
     The state is a plain pytree {'step', 'params', 'opt_state'} so that checkpointing and
     sharding see ordinary dicts; `graphdef` turns params back into the NNX model.
     """
 
-    def __init__(self, model_config, plan, mesh, rules, *, exchange, tx, schedule, seq_len, per_device_batch, seed,
-                 micro_batches=1, gather_weights=PER_MICRO_BATCH, reduce_gradients=PER_MICRO_BATCH,
-                 ragged_decomposer=False, numerics=None, on_nonfinite=skip_nonfinite, context_attention="all_gather",
-                 load_balance=False):
-        """model_config: the family's model configuration (kernel choices made here, for the mesh's devices);
-        plan: the OffloadPlan; rules {logical axis: mesh axes}; exchange: the MoE exchange (models/exchange.py);
-        tx, schedule: the optax optimizer and its learning-rate schedule; micro_batches: per optimizer step
-        (gradient accumulation; a step's batch is then [micro_batches, rows, seq_len]); gather_weights: with
-        several micro-batches, PER_MICRO_BATCH (the fsdp-sharded weights are all-gathered inside each micro-batch's
-        passes, XLA's choice) or PER_STEP (gathered once before them and kept in HBM for the step); reduce_gradients:
-        with several micro-batches and a data axis, PER_MICRO_BATCH (XLA sums each micro-batch's gradients over the
-        data replicas) or PER_STEP (each replica accumulates its own; one sum over the data axis a step);
-        ragged_decomposer: XLA:GPU decomposes the exchange's ragged all-to-all into dense ones (xla.ragged_decomposer;
-        only where a GPU step exchanges tokens by it); numerics: the
-        weight matmuls' models/matmul.Numerics (None: bf16 in the model's compute dtype); on_nonfinite:
-        skip_nonfinite or halt_on_nonfinite; context_attention, load_balance: how a sequence split over the
-        context axes attends (parallel/layout.CONTEXT_ATTENTION) and whether its tokens are laid out for balanced
-        causal work. Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
-        self._args = dict(model_config=model_config, mesh=mesh, rules=rules, exchange=exchange, tx=tx,
-                          schedule=schedule, seq_len=seq_len, per_device_batch=per_device_batch, seed=seed,
-                          micro_batches=micro_batches, gather_weights=gather_weights,
-                          reduce_gradients=reduce_gradients, ragged_decomposer=ragged_decomposer, numerics=numerics,
-                          on_nonfinite=on_nonfinite, context_attention=context_attention, load_balance=load_balance)
-        self.plan, self.mesh, self.rules, self.tx, self.schedule = plan, mesh, rules, tx, schedule
-        self.seq_len, self.per_device_batch, self.seed, self.on_nonfinite = seq_len, per_device_batch, seed, on_nonfinite
-        self.micro_batches, self.gather_weights = micro_batches, gather_weights
-        self.numerics = numerics or matmul.Numerics(model_config.compute_dtype)
-        self.layout = ParallelLayout.of(mesh, rules, exchange, context_attention, load_balance)  # to the model, once
+    def __init__(self, spec):
+        """Raises ConfigError when the model's dimensions or the sequence do not fit the mesh."""
+        self.spec = spec
+        self.plan, self.mesh, self.rules, self.tx, self.schedule = spec.plan, spec.mesh, spec.rules, spec.tx, spec.schedule
+        self.seq_len, self.per_device_batch, self.seed = spec.seq_len, spec.per_device_batch, spec.seed
+        self.on_nonfinite, self.micro_batches, self.gather_weights = spec.on_nonfinite, spec.micro_batches, \
+            spec.gather_weights
+        self.numerics = spec.numerics or matmul.Numerics(spec.model_config.compute_dtype)
+        self.layout = ParallelLayout.of(spec.mesh, spec.rules, spec.exchange, spec.context_attention,
+                                        spec.load_balance)  # to the model, once
+        platform = kernels.platform(spec.mesh.devices.flat[0])
         # every compile of the step gets the preset and what the weight GEMMs' mode needs
-        self.compiler_options = xla.compiler_options(plan.xla_preset, self.numerics.mode, plan.hlo_rematerialization,
-                                                     kernels.platform(mesh.devices.flat[0]))
+        self.compiler_options = xla.compiler_options(spec.plan.xla_preset, self.numerics.mode,
+                                                     spec.plan.hlo_rematerialization, platform)
         # kernel choices (model.attention, model.moe_kernel) for the devices the step runs on
-        self.model_config = kernels.for_platform(model_config, kernels.platform(mesh.devices.flat[0]))
-        self.ragged_decomposed = bool(ragged_decomposer) and self.exchanges_ragged()
+        self.model_config = kernels.for_platform(spec.model_config, platform)
+        self.ragged_decomposed = bool(spec.ragged_decomposer) and self.exchanges_ragged()
         if self.ragged_decomposed:
             self.compiler_options.update(xla.RAGGED_DECOMPOSER)
-        check_splash(self.model_config, seq_len, self.layout)
-        abstract_model = nnx.eval_shape(self._model)
+        check_splash(self.model_config, spec.seq_len, self.layout)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
-        self.graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
+        self.graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(self._model), nnx.Param, ...)
         logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
-        param_shardings = jax.tree.map(lambda spec: logical.named_sharding(mesh, tuple(spec), rules), logical_specs,
-                                       is_leaf=lambda x: isinstance(x, PartitionSpec))
-        check_divisible(abstract_params, param_shardings, mesh)
-        self.replicas, self.replica_graphdef = self._replicas(reduce_gradients, param_shardings)
+        self.param_shardings = jax.tree.map(  # in HBM: where gradients are accumulated
+            lambda spec: logical.named_sharding(self.mesh, tuple(spec), self.rules), logical_specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec))
+        check_divisible(abstract_params, self.param_shardings, self.mesh)
+        self.replicas, self.replica_graphdef = self._replicas(spec.reduce_gradients, self.param_shardings)
         self.abstract_state = jax.eval_shape(self._init)
-        replicated = NamedSharding(mesh, PartitionSpec())
-        params_kind = HOST if plan.params_on_host else DEVICE
-        opt_kind = HOST if plan.optimizer_on_host else DEVICE
-        self.host_state_asked = {"params": params_kind == HOST, "opt_state": opt_kind == HOST}
-        self.state_shardings = {
+        self.state_shardings = self._state_shardings()
+        self.host_state_asked = {"params": self.plan.params_on_host, "opt_state": self.plan.optimizer_on_host}
+        # gather_weights=PER_STEP: the weights without their fsdp sharding, held through the step's micro-batches
+        self.gathered_shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, PartitionSpec(*(_without(axes, "fsdp") for axes in s.spec))),
+            self.param_shardings)
+        self._batch_layout()
+
+    def _state_shardings(self):
+        """The state's shardings: the parameters' and the optimizer state's in HBM or host memory (the plan's)."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        params_kind = HOST if self.plan.params_on_host else DEVICE
+        opt_kind = HOST if self.plan.optimizer_on_host else DEVICE
+        return {
             "step": replicated,
-            "params": jax.tree.map(lambda s: s.with_memory_kind(params_kind), param_shardings),
+            "params": jax.tree.map(lambda s: s.with_memory_kind(params_kind), self.param_shardings),
             "opt_state": optax.tree_map_params(self.tx, lambda _, sharding: sharding.with_memory_kind(opt_kind),
-                                               self.abstract_state["opt_state"], param_shardings,
+                                               self.abstract_state["opt_state"], self.param_shardings,
                                                transform_non_params=lambda _: replicated),
             "model_state": jax.tree.map(lambda _: replicated, self.abstract_state["model_state"]),
         }
-        self.param_shardings = param_shardings  # in HBM: where gradients are accumulated
-        # gather_weights=PER_STEP: the weights without their fsdp sharding, held through the step's micro-batches
-        self.gathered_shardings = jax.tree.map(
-            lambda s: NamedSharding(mesh, PartitionSpec(*(_without(axes, "fsdp") for axes in s.spec))), param_shardings)
-        self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, rules)
+
+    def _batch_layout(self):
+        """The batch's shardings and rows; ConfigError when they do not split over the mesh."""
+        mesh, seq_len, per_device_batch = self.mesh, self.seq_len, self.per_device_batch
+        self.batch_sharding = logical.named_sharding(mesh, BATCH_AXES, self.rules)
         # a step's batch: one batch, or its micro-batches stacked in front (not sharded)
-        self.step_batch_sharding = self.batch_sharding if micro_batches == 1 else \
+        self.step_batch_sharding = self.batch_sharding if self.micro_batches == 1 else \
             NamedSharding(mesh, PartitionSpec(None, *self.batch_sharding.spec))
         context = logical.ways(mesh, self.batch_sharding.spec[1])
         # sequences of one (micro-)batch over the whole mesh
@@ -174,7 +196,7 @@ class TrainSetup:
     def with_plan(self, plan):
         """The same run (model, mesh, optimizer, batch) under another OffloadPlan: a planner's or a report's
         variant."""
-        return TrainSetup(plan=plan, **self._args)
+        return TrainSetup(dataclasses.replace(self.spec, plan=plan))
 
     def exchanges_ragged(self):
         """Whether the step moves routed tokens between GPUs by XLA's ragged all-to-all (models/exchange.py)."""

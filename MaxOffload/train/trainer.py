@@ -59,7 +59,7 @@ def peak_flops_per_device(cfg, setup):
     None for a device of unknown peak."""
     if cfg.hardware.peak_tflops_per_device is not None:
         return cfg.hardware.peak_tflops_per_device * 1e12
-    accelerator = hardware.lookup(jax.devices()[0].device_kind)
+    accelerator = hardware.lookup(setup.mesh.devices.flat[0].device_kind)
     if accelerator is None:
         return None
     work = by_component(setup.model_config, 1, cfg.train.seq_len)
@@ -391,7 +391,7 @@ class StepClock:
 
     def __init__(self, summary, seq_len, peak, logger):
         self.summary, self.seq_len, self.peak, self.logger = summary, seq_len, peak, logger
-        self.devices, self.history = len(jax.devices()), []
+        self.devices, self.history = summary["devices"], []
         self.restart()
 
     def restart(self):
