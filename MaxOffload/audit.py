@@ -105,7 +105,7 @@ def _triton_ragged_dot_flops(operands, out):
 
 TRITON_KERNELS = {name: ("PallasTritonRaggedDot", _triton_ragged_dot_flops)
                   for name in ("_ragged_dot_kernel", "_ragged_contracting_dim_dot_kernel")}
-# tokamax's flash attention: operands (q, k, v, ...); the model calls it causal only (models/layers.attention).
+# tokamax's flash attention: operands (q, k, v, ...); the model calls it causal only (models/attention/flash.py).
 # Its forward comes as two kernels (without and with the residuals the VJP reads), both one forward pass.
 def _triton_flash_forward_flops(operands, out):
     return _attention_flops(operands[0], operands[2], True, False)
@@ -316,7 +316,7 @@ MASKED_GROUPED_CONVOLUTION = "transpose(ragged_dot): the expert weights' gradien
 
 
 def tpu_splash_flops(ins):
-    """Splash attention's matmuls (models/kernels.splash_attention), its operands (after two mask operands) q [b,
+    """Splash attention's matmuls (models/attention/splash.py), its operands (after two mask operands) q [b,
     heads, T, d], k, v [b, kv_heads, T, dv]: the blocks on and below the diagonal, n (n + 1) / 2 of block^2 pairs
     (block: kernels.splash_block), at 2 (d + dv) per pair forward (splash_mha_fwd*) and 2 (3 d + 2 dv) for the fused
     backward (splash_mha_dkv*: QK^T recomputed, dV, dP, dQ, dK)."""

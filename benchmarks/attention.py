@@ -6,7 +6,7 @@ One attention forward + backward (the value and the gradients of q, k, v) at the
 
     square   the whole [L, L] causal score matrix in one einsum (k/v repeated per query head; what this
              project's attention fell back to when seq_len was no multiple of its chunk)
-    xla      models/layers.causal_attention: query blocks of 512 attending only to the keys they can see
+    xla      models/attention/plain.causal_attention: query blocks of 512 attending only to the keys they can see
              (model.attention=xla)
     flash    tokamax's flash attention (model.attention=flash; auto on GPUs): its Pallas-Triton kernel on GPUs
 
@@ -43,15 +43,17 @@ def square(q, k, v):
 
 def attention_fn(impl, on):
     """(q, k, v) -> causal attention [b, l, heads, dv] through `impl` for devices of platform `on`."""
-    from MaxOffload.models import kernels, layers
+    from MaxOffload.models import kernels
+    from MaxOffload.models.attention.flash import flash_attention
+    from MaxOffload.models.attention.plain import causal_attention
 
     scale = None
     if impl == "square":
         return square
     if impl == "xla":
-        return lambda q, k, v: layers.causal_attention(q, k, v, scale)
+        return lambda q, k, v: causal_attention(q, k, v, scale)
     kernel = kernels.attention_for("flash", on)
-    return lambda q, k, v: kernels.flash_attention(q, k, v, q.shape[-1] ** -0.5, kernel)
+    return lambda q, k, v: flash_attention(q, k, v, q.shape[-1] ** -0.5, kernel)
 
 
 def step(impl, on):

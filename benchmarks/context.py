@@ -7,7 +7,7 @@ deviceless for --target, at the head shapes of Llama 3.1 405B (128 query heads, 
 DeepSeek-V3 (MLA: 128 heads, q/k head dim 192, v 128; its keys and values come from a latent of 512 + a 64-wide
 RoPE key per token):
 
-    kv_gather       models/layers.context_flash_attention (mesh.context_attention=all_gather, model.attention=
+    kv_gather       models/attention/all_gather.py (mesh.context_attention=all_gather, model.attention=
                     flash; DeepSeek-V3: model.mla_context_gather=kv): every GPU all-gathers the keys and values and
                     runs tokamax's flash kernels on its chunks of queries, to their own keys causally and to each
                     earlier block of keys whole
@@ -60,7 +60,10 @@ def strategy_step(strategy, shape, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from MaxOffload.models import deepseek, kernels, layers, matmul
+    from MaxOffload.models import deepseek, kernels, matmul
+    from MaxOffload.models.attention.all_gather import context_flash_attention
+    from MaxOffload.models.attention.flash import flash_attention
+    from MaxOffload.models.attention.key_source import KeySource
     from MaxOffload.parallel.layout import ParallelLayout
 
     layout = ParallelLayout.of(mesh, {"activation_length": ["context"]}, load_balance=True)
@@ -76,14 +79,14 @@ def strategy_step(strategy, shape, mesh):
         def attend(q, latent, k_rope, wk_b, wv_b):
             source = deepseek.latent_key_source(matmul.Numerics(), latent, k_rope, (wk_b, wv_b),
                                                 (("kv_lora", "heads", "head_dim"),) * 2)
-            return layers.context_flash_attention(q, source, scale, kernel, layout)
+            return context_flash_attention(q, source, scale, kernel, layout)
     else:
         inputs, weights = [(heads, qk), (kv_heads, qk), (kv_heads, dv)], []
 
         def attend(q, k, v):
             if strategy == "kv_gather":
-                return layers.context_flash_attention(q, layers.KeySource.of_keys(q, k, v), scale, kernel, layout)
-            return kernels.flash_attention(q, k, v, scale, kernel, q_sharding)
+                return context_flash_attention(q, KeySource.of_keys(q, k, v), scale, kernel, layout)
+            return flash_attention(q, k, v, scale, kernel, q_sharding)
 
     def loss(w, *args):
         return jnp.sum(attend(*args).astype(jnp.float32) * w)

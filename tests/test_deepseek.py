@@ -817,7 +817,7 @@ def test_tiny_training_loss_falls_and_logs_expert_load(background):
 def test_mla_goes_through_the_shared_chunked_attention():
     """At 2,048 tokens (four query blocks of 512, each multiplying only by the keys it can see) no
     intermediate of the forward pass holds the whole [length x length] score matrix: DeepSeek's MLA uses the
-    shared causal attention (models/layers.py)."""
+    shared causal attention (models/attention/plain.py)."""
     from test_model import _sub_jaxprs
 
     length = 2048

@@ -15,7 +15,8 @@ from MaxOffload import from_config
 from MaxOffload import models
 from MaxOffload.config import get_config
 from MaxOffload.models import llama
-from MaxOffload.models.layers import apply_rope, causal_attention, rope_inv_freq
+from MaxOffload.models.attention.plain import causal_attention
+from MaxOffload.models.layers import apply_rope, rope_inv_freq
 from MaxOffload.offload.names import VOCABULARY
 from MaxOffload.train.flops import train_flops_per_step
 
@@ -459,7 +460,7 @@ def test_both_attention_paths_equal_the_full_square_with_gradients(heads, kv_hea
     """The xla path (query blocks of 16 here, the last one shorter when the length is no multiple) and the
     flash path (tokamax behind the same call; its chunked XLA implementation on CPU) against the plain full
     causal square: values and gradients, GQA and MLA's q/k head dim above v's."""
-    from MaxOffload.models.layers import attention
+    from MaxOffload.models.attention.dispatch import attention
 
     rng = np.random.default_rng(length)
     q = jnp.asarray(rng.normal(size=(2, length, heads, qk_dim)), jnp.float32)

@@ -94,8 +94,8 @@ SCHEMA = {
                                    "all_to_all_padded | all_to_all_ragged (that transport everywhere; ragged is "
                                    "emulated on CPUs)"),
         "context_attention": ("all_gather", "how a sequence split over the context axes attends "
-                                            "(models/layers.attention): all_gather (each shard gathers the keys and "
-                                            "values; xla: masks by position; flash: its kernels per chunk of "
+                                            "(models/attention/context.py): all_gather (each shard gathers the keys "
+                                            "and values; xla: masks by position; flash: its kernels per chunk of "
                                             "queries) | partitioned (xla: XLA's automatic partitioning; flash: "
                                             "tokamax's own sharding, a dense mask in its backward)"),
         "context_load_balance": (False, "lay each sequence out as 2C chunks, context shard i holding chunks i and "

@@ -218,9 +218,9 @@ def validate(cfg):
              f"mesh.exchange={cfg.mesh.exchange} is dropless, but model.capacity_factor="
              f"{cfg.model.get('capacity_factor')}: "
              "set model.capacity_factor=0 (model.moe_buffer_factor bounds the rows), or use mesh.exchange=all_gather")
-    from MaxOffload.parallel.layout import CONTEXT_ATTENTION
+    from MaxOffload.models.attention.context import STRATEGIES
 
-    _choice("mesh.context_attention", cfg.mesh.context_attention, CONTEXT_ATTENTION)
+    _choice("mesh.context_attention", cfg.mesh.context_attention, tuple(STRATEGIES))
     _require(not (cfg.mesh.context_load_balance and cfg.mesh.context_attention != "all_gather"),
              "mesh.context_load_balance=true reorders the sequence, which only mesh.context_attention=all_gather "
              "masks by position: set that, or turn load balancing off")

@@ -27,8 +27,10 @@ from flax import nnx
 
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models import components, kernels, matmul, routing
+from MaxOffload.models.attention.dispatch import attention
+from MaxOffload.models.attention.key_source import KeySource
 from MaxOffload.models.base import ModelConfig, field
-from MaxOffload.models.layers import BATCH_LENGTH_EMBED, KeySource, RMSNorm, SwiGLU, attention, param
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, param
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
 from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE
@@ -272,8 +274,9 @@ def mla_keys(numerics, sources, weights, tag=False):
 
 
 def latent_key_source(numerics, kv_latent, k_rope, weights, weight_axes):
-    """The KeySource (models/layers.py) of a context shard gathering MLA's latent and RoPE key: keys and values made
-    from them by mla_keys with the up-projections `weights` (wk_b, wv_b; their logical `weight_axes`)."""
+    """The KeySource (models/attention/key_source.py) of a context shard gathering MLA's latent and RoPE key: keys
+    and values made from them by mla_keys with the up-projections `weights` (wk_b, wv_b; their logical
+    `weight_axes`)."""
     return KeySource((kv_latent, k_rope), (LATENT_AXES, LATENT_AXES + (None,)), functools.partial(mla_keys, numerics),
                      tuple(weights), tuple(weight_axes))
 

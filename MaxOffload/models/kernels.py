@@ -1,6 +1,6 @@
-"""Maintained kernels behind the model's calls, through tokamax (Google's kernel library, which MaxText uses on
-GPUs): the grouped GEMM of dropless MoE and fused causal attention; XLA's own ops where they are exact and
-cheap (CPU).
+"""The kernels behind the model's calls: which runs on which platform (`for_platform`; the values of
+`model.moe_kernel` and `model.attention`), tokamax (Google's kernel library, which MaxText uses on GPUs) set up
+for this process, and the grouped GEMM of dropless MoE; XLA's own ops where they are exact and cheap (CPU).
 
 Why a kernel: XLA's GPU compiler rewrites `jax.lax.ragged_dot` into a dense dot, the rows expanded over every
 expert (experts x the FLOPs, gigabytes of temporaries: benchmarks/results/moe_kernels_2026-12-01/). tokamax's
@@ -18,20 +18,16 @@ GROUPED_GEMM, the values of `model.moe_kernel`:
 ATTENTION, the values of `model.attention`:
     auto     flash on GPUs (deviceless compiles for GPU targets included), splash on TPUs (the chip and deviceless
              TPU targets), xla elsewhere
-    xla      models/layers.causal_attention: query blocks that attend only to the keys they can see
-    flash    tokamax.dot_product_attention(is_causal=True): its Pallas-Triton flash attention on GPUs (one fused
-             kernel per pass, scores never in HBM; GQA without repeating k/v, MLA's v head dim below q/k's); on
-             CPU its chunked XLA implementation (same API and custom VJP, so the path runs and is tested on CPU);
-             on TPUs splash
-The TPU kernel, `splash`: jax's Pallas splash attention (jax.experimental.pallas.ops.tpu.splash_attention; it ships
-in jax, interpret=True runs the same kernel on a CPU for the tests): causal, GQA without repeating k/v, MLA's v
-head dim, blocks of SPLASH_BLOCKS and the fused backward (measured fastest on the v5e: REFERENCE 2h).
+    xla      models/attention/plain.causal_attention: query blocks that attend only to the keys they can see
+    flash    tokamax.dot_product_attention(is_causal=True) (models/attention/flash.py): its Pallas-Triton flash
+             attention on GPUs, its chunked XLA implementation on CPU; on TPUs splash
+The TPU kernel, `splash`: jax's Pallas splash attention (models/attention/splash.py), in blocks of SPLASH_BLOCKS.
+The attention kernels themselves live in models/attention/; this module names them and says which runs where.
 """
 import contextlib
 import dataclasses
 import functools
 import logging
-import math
 
 import jax
 
@@ -93,65 +89,6 @@ def splash_block(length, kernel=SPLASH):
     return next((b for b in SPLASH_BLOCKS if length % b == 0), None)
 
 
-def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SPLASH, fused_backward=True,
-                     pad_heads=False):
-    """Causal attention by jax's Pallas splash kernel: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads,
-    dv] -> [b, l, heads, dv], in blocks of splash_block(l, kernel) with the fused backward (`fused_backward=False`:
-    splash's separate dq and dkv kernels, for benchmarks/tpu/attention.py). `q_sharding`: q's NamedSharding: the
-    kernel runs per shard of its batch and heads axes (shard_map); where the heads split wider than the kv heads,
-    each shard's k/v heads are repeated to its queries'. `interpret`: the same kernel interpreted (any platform: the
-    CPU tests). The kernel's residuals (its output and the rows' log-sum-exp) are named names.CONTEXT (MaxText's
-    name for them), so a remat policy keeps (remat.tensors.context=device), offloads or recomputes them: kept, the
-    backward pass runs no second forward kernel."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
-
-    from MaxOffload.offload import names
-
-    jnp = jax.numpy
-    factor = q.shape[-1] ** -0.5 if scale is None else scale  # the kernel takes q unscaled: scaled once, here
-    if pad_heads:  # head dims padded with zeros to the TPU's 128 lanes (the scores and outputs are the same; the
-        #            padded output columns, zero, are cut off): benchmarks/tpu/attention.py measures whether it pays
-        lanes = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, -a.shape[-1] % SPLASH_LANES)])  # noqa: E731
-        dv = v.shape[-1]
-        out = splash_attention(lanes(q), lanes(k), lanes(v), factor, q_sharding, interpret, kernel, fused_backward)
-        return out[..., :dv]
-    block = splash_block(q.shape[1], kernel)
-    if block is None:
-        raise ValueError(f"splash attention ({kernel}) runs blocks of {kernel.partition(':')[2] or SPLASH_BLOCKS}: "
-                         f"{q.shape[1]} tokens is no multiple")
-
-    def local(q, k, v):
-        length, heads = q.shape[1], q.shape[2]
-        sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                      block_kv_dkv=block, block_kv_dkv_compute=block,
-                                      **({} if fused_backward else {"block_q_dq": block, "block_kv_dq": block}),
-                                      use_fused_bwd_kernel=fused_backward)
-        mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * heads)
-        run = kernel_lib.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                         residual_checkpoint_name=names.CONTEXT, interpret=interpret)
-        heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [b, l, h, d] <-> [b, h, l, d]
-        return heads_first(jax.vmap(run)(heads_first(q * jnp.asarray(factor, q.dtype)), heads_first(k),
-                                         heads_first(v)))
-
-    if q_sharding is None:
-        return local(q, k, v)
-    P = jax.sharding.PartitionSpec
-    spec = tuple(q_sharding.spec) + (None,) * (4 - len(q_sharding.spec))
-
-    def ways(entry):
-        return math.prod(q_sharding.mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
-
-    if ways(spec[1]) > 1:
-        raise ValueError("splash attention runs whole sequences per shard: a split sequence takes the context path")
-    if k.shape[2] % ways(spec[2]):  # a tensor axis wider than the kv heads: each shard its queries' own kv heads
-        k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
-    per_shard = P(spec[0], spec[1], spec[2], None)
-    # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
-    return jax.shard_map(local, mesh=q_sharding.mesh, in_specs=(per_shard,) * 3, out_specs=per_shard,
-                         check_vma=False)(q, k, v)
-
-
 def for_platform(config, on):
     """A model configuration with its kernel choices (`attention`, `moe_kernel` where the family has them)
     made for devices of platform `on`: TrainSetup calls it with its mesh's devices (the models never read
@@ -173,7 +110,7 @@ class _QuietMisses(logging.Filter):
 
 
 @functools.cache
-def _import_tokamax():
+def import_tokamax():
     """tokamax, imported once and set up for this process."""
     from absl import flags
 
@@ -189,7 +126,7 @@ def _import_tokamax():
     return tokamax
 
 
-def _implementation(kernel):
+def implementation(kernel):
     """tokamax's implementation name of a chosen kernel 'library:implementation' (grouped_gemm_for, attention_for)."""
     return kernel.split(":", 1)[1]
 
@@ -209,8 +146,8 @@ def ragged_dot(lhs, rhs, group_sizes, kernel, scales=None, dtype=None):
         lhs, rhs = (qwix.QArray(q, s, qtype=q.dtype) for q, s in zip((lhs, rhs), scales))
     if kernel == "xla":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
-    out = _import_tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=dtype,
-                                       implementation=_implementation(kernel))
+    out = import_tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=dtype,
+                                       implementation=implementation(kernel))
     # the Triton kernel writes only the rows inside the groups; the rest of its output is whatever the buffer
     # held. Zero them, as jax.lax.ragged_dot does, so no consumer can ever see stale values (a fused select)
     inside = jax.numpy.arange(lhs.shape[0]) < group_sizes.sum()
@@ -228,62 +165,9 @@ def ragged_weight_gradient(lhs, dout, group_sizes, kernel):
     if kernel == "xla":
         return jax.lax.ragged_dot_general(lhs, dout, group_sizes, RAGGED_CONTRACTING,
                                           preferred_element_type=jax.numpy.float32).astype(lhs.dtype)
-    return _import_tokamax().ragged_dot_general(lhs, dout, group_sizes, RAGGED_CONTRACTING,
+    return import_tokamax().ragged_dot_general(lhs, dout, group_sizes, RAGGED_CONTRACTING,
                                                 preferred_element_type=lhs.dtype,
-                                                implementation=_implementation(kernel))
-
-
-def flash_attention(q, k, v, scale, kernel, q_sharding=None):
-    """Causal attention by tokamax: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads, dv] ->
-    [b, l, heads, dv]. `kernel`: from attention_for; `q_sharding`: q's NamedSharding, so that the kernel runs
-    per shard (tokamax's shard_map: batch and heads split, a split sequence sees all keys)."""
-    return _import_tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True, q_sharding=q_sharding,
-                                                   implementation=_implementation(kernel))
-
-
-def _piece_op(kernel):
-    """tokamax's attention op for attention computed in pieces (flash_attention_piece): its Triton kernels on GPUs;
-    elsewhere its XLA implementation (the chunked one returns no log-sum-exp)."""
-    _import_tokamax()
-    from tokamax._src.ops.attention import api  # the ops by implementation: the public call hides the residuals
-
-    name = _implementation(kernel)
-    return api.IMPLEMENTATIONS[name if name == "triton" else "xla"]
-
-
-def flash_attention_piece(q, k, v, scale, kernel, causal):
-    """Attention of q [b, l, heads, d] to one piece of its keys, k, v [b, s, kv_heads, .]: `causal` (aligned: the
-    queries and keys are the same positions) or to all of them. Returns (the output normalized
-    within the piece, its log-sum-exp [b, heads, l] in float32), which combine across pieces."""
-    out, (m, l) = _piece_op(kernel)(q, k, v, logits_scale=scale, is_causal=causal, return_residuals=True)
-    return out, (0.0 if m is None else m) + jax.numpy.log(l)
-
-
-def flash_attention_piece_vjp(q, k, v, scale, kernel, causal, lse, out, dout):
-    """(dq, dk, dv) of one piece of an attention (flash_attention_piece's arguments), given the whole attention's
-    output, its cotangent and its log-sum-exp: the piece's probabilities are then exp(scores - lse), the whole
-    attention's, and the pieces' gradients sum to the whole's. tokamax's VJP kernel on GPUs (its residuals are
-    (max, sum): (lse, 1) says the same); elsewhere the same formulas in XLA."""
-    op = _piece_op(kernel)
-    if op.vjp is not None:
-        bound = op.bind(q, k, v, logits_scale=scale, is_causal=causal)
-        kwargs = {name: value for name, value in bound.kwargs.items() if name != "return_residuals"}
-        grads = op.vjp((lse, jax.numpy.ones_like(lse)), out, dout, *bound.args, **kwargs)
-        return (grads["q"], grads["k"], grads["v"]) if isinstance(grads, dict) else tuple(grads[:3])
-    jnp, f32 = jax.numpy, jax.numpy.float32
-    group = q.shape[2] // k.shape[2]
-    k_all, v_all = (jnp.repeat(a, group, axis=2).astype(f32) for a in (k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(f32), k_all) * scale
-    rows, keys = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
-    visible = (rows >= keys) if causal else True
-    p = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
-    dout, out = dout.astype(f32), out.astype(f32)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p, dout)
-    ds = p * (jnp.einsum("bqhd,bkhd->bhqk", dout, v_all) - jnp.einsum("bqhd,bqhd->bhq", out, dout)[..., None]) * scale
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k_all)
-    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(f32))
-    per_kv_head = lambda a: a.reshape(*a.shape[:2], k.shape[2], group, a.shape[-1]).sum(3)  # noqa: E731
-    return dq.astype(q.dtype), per_kv_head(dk).astype(k.dtype), per_kv_head(dv).astype(v.dtype)
+                                                implementation=implementation(kernel))
 
 
 def lowering(device):

@@ -6,8 +6,9 @@ from flax import nnx
 
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models import components
+from MaxOffload.models.attention.gqa import Attention
 from MaxOffload.models.base import ModelConfig, field
-from MaxOffload.models.layers import Attention, RMSNorm, SwiGLU
+from MaxOffload.models.layers import RMSNorm, SwiGLU
 from MaxOffload.models.rope import rope_inv_freq
 from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import names

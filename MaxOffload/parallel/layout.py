@@ -17,19 +17,14 @@ from MaxOffload.parallel import logical
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
-# how the queries of a sequence split over the context axes reach its keys (models/layers.attention, XLA path):
-#   all_gather   each shard all-gathers the keys, values and their positions and attends its own queries to them,
-#                masked by position (any token order: load balancing's)
-#   partitioned  XLA's automatic partitioning of the whole-sequence attention (the index-masked blocks)
-CONTEXT_ATTENTION = ("all_gather", "partitioned")
-
-
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     mesh: object  # jax.sharding.Mesh, or None
     rules: tuple = ()  # ((logical axis, (mesh axes, ...)), ...): hashable, so a module can hold it statically
     exchange: str = "all_gather"  # how routed tokens reach their experts' devices (models/exchange.EXCHANGES)
-    context_attention: str = "all_gather"  # CONTEXT_ATTENTION
+    # how the queries of a sequence split over the context axes reach its keys: a name of the context strategies'
+    # registry (models/attention/context.STRATEGIES)
+    context_attention: str = "all_gather"
     load_balance: bool = False  # the sequence laid out so every context shard has the same causal work
 
     @classmethod
@@ -44,7 +39,7 @@ class ParallelLayout:
 
     @property
     def gathers_context(self):
-        """Whether a sequence is split over context axes and each shard gathers its keys (all_gather)."""
+        """Whether a sequence is split over context axes and each shard gathers its keys (the all_gather strategy)."""
         return self.context_ways > 1 and self.context_attention == "all_gather"
 
     def token_order(self, length):

@@ -10,9 +10,9 @@ One forward + backward (the value of sum(attention . w) and the gradients of q, 
 
 by each kernel:
 
-    xla               models/layers.causal_attention (model.attention=xla): query blocks of 512 against the keys
+    xla               models/attention/plain.causal_attention (model.attention=xla): query blocks of 512 against the keys
                       they can see
-    splash_512        jax's Pallas splash kernel (models/kernels.splash_attention), blocks of 512, splash's separate
+    splash_512        jax's Pallas splash kernel (models/attention/splash.py), blocks of 512, splash's separate
                       dq and dkv backward kernels (MaxText's defaults)
     splash_512_fused  blocks of 512, the fused backward
     splash            what model.attention=auto runs on TPUs: the largest block of 1024/512/256/128 that divides the
@@ -39,13 +39,14 @@ KERNELS = {"xla": None, "splash_512": ("splash:512", False), "splash_512_fused":
 
 
 def attention_fn(name):
-    from MaxOffload.models import kernels, layers
+    from MaxOffload.models.attention.plain import causal_attention
+    from MaxOffload.models.attention.splash import splash_attention
 
     if KERNELS[name] is None:
-        return lambda q, k, v: layers.causal_attention(q, k, v, None)
+        return lambda q, k, v: causal_attention(q, k, v, None)
     kernel, fused, *padded = KERNELS[name]
-    return lambda q, k, v: kernels.splash_attention(q, k, v, None, kernel=kernel, fused_backward=fused,
-                                                    pad_heads=bool(padded))
+    return lambda q, k, v: splash_attention(q, k, v, None, kernel=kernel, fused_backward=fused,
+                                            pad_heads=bool(padded))
 
 
 def step(name):

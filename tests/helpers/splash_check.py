@@ -1,5 +1,5 @@
-"""Splash attention (models/kernels.splash_attention, interpreted on this CPU) against the XLA path
-(models/layers.causal_attention), per shard of a mesh of fake CPU devices: prints one JSON line of the largest
+"""Splash attention (models/attention/splash.splash_attention, interpreted on this CPU) against the XLA path
+(models/attention/plain.causal_attention), per shard of a mesh of fake CPU devices: prints one JSON line of the largest
 output and gradient differences per case. python tests/helpers/splash_check.py (sets 8 host devices itself)."""
 import json
 import os
@@ -14,7 +14,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from MaxOffload.models import kernels, layers  # noqa: E402
+from MaxOffload.models.attention.plain import causal_attention  # noqa: E402
+from MaxOffload.models.attention.splash import splash_attention  # noqa: E402
 
 # (name, mesh shape {data, tensor}, heads, kv heads, q/k dim, v dim)
 CASES = [("gqa_data2_tensor2", {"data": 2, "tensor": 2}, 4, 2, 64, 64),
@@ -35,8 +36,8 @@ def main():
         def loss(fn, q, k, v):
             return jnp.sum(fn(q, k, v) * dout)
 
-        splash = lambda q, k, v: kernels.splash_attention(q, k, v, None, sharding, interpret=True)  # noqa: E731
-        xla = lambda q, k, v: layers.causal_attention(q, k, v)  # noqa: E731
+        splash = lambda q, k, v: splash_attention(q, k, v, None, sharding, interpret=True)  # noqa: E731
+        xla = lambda q, k, v: causal_attention(q, k, v)  # noqa: E731
         got = jax.jit(jax.value_and_grad(lambda *a: loss(splash, *a), argnums=(0, 1, 2)))(q, k, v)
         want = jax.jit(jax.value_and_grad(lambda *a: loss(xla, *a), argnums=(0, 1, 2)))(q, k, v)
         outputs = float(jnp.max(jnp.abs(splash(q, k, v) - xla(q, k, v))))

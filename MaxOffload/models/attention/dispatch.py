@@ -1,0 +1,32 @@
+"""Causal attention by the chosen kernel (`model.attention`, chosen for a platform by models/kernels.attention_for):
+XLA's query blocks (plain.py), tokamax's flash kernel (flash.py) or the TPU's splash kernel (splash.py), and over
+a sequence split by the layout's context axes its context strategy (context.py)."""
+import jax
+
+from MaxOffload.models import components, kernels
+from MaxOffload.models.attention import context
+from MaxOffload.models.attention.flash import flash_attention
+from MaxOffload.models.attention.key_source import KeySource
+from MaxOffload.models.attention.plain import Q_AXES, causal_attention
+from MaxOffload.models.attention.splash import splash_attention
+from MaxOffload.parallel.layout import NONE
+
+
+def attention(q, k, v, scale, kernel, layout=NONE, positions=None, source=None):
+    """Causal attention by `kernel`: models/kernels.attention_for of `model.attention` (TrainSetup chooses it for
+    its devices; an unchosen one is chosen here for this process's default device). The flash kernel runs per
+    shard of the layout's query sharding. Over a sequence split by the layout's context axes, the layout's context
+    strategy (context.STRATEGIES, `mesh.context_attention`) attends with `source` (KeySource; by default k and v,
+    which are then not needed); else XLA's partitioning of the whole-sequence attention. `positions` [b, l]: the
+    tokens' global positions (needed when the layout reorders them)."""
+    kernel = kernels.attention_for(kernel, kernels.platform(jax.devices()[0]))
+    over_context = context.strategy(layout)
+    if over_context is not None:
+        return over_context(q, source or KeySource.of_keys(q, k, v), positions, scale, kernel, layout)
+    if kernel == "xla" or (kernels.is_splash(kernel) and kernels.splash_block(q.shape[1], kernel) is None):
+        return causal_attention(q, k, v, scale)  # (splash: a length no block divides, only in shape-only traces:
+        #                                           TrainSetup refuses such a train.seq_len)
+    with jax.named_scope(components.ATTENTION_SCORES):
+        if kernels.is_splash(kernel):
+            return splash_attention(q, k, v, scale, layout.sharding(Q_AXES), kernel=kernel)
+        return flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES))
