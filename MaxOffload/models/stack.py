@@ -179,11 +179,12 @@ class DecoderModel(nnx.Module):
         """(sum, count) of next-token cross-entropy of normalised hidden states x [batch, length, emb] against
         targets and mask [batch, length], all in the layout's token order (laid_out): through the whole logits
         (unembed_normed), or vocabulary tile by tile under model.vocab_tiles (models/cross_entropy.tiled)."""
-        tiles = cross_entropy.tiles_for(self.config.vocab_size, self.config.vocab_tiles)
+        shards = self.layout.ways("vocab")
+        tiles = cross_entropy.tiles_for(self.config.vocab_size, self.config.vocab_tiles, shards)
         if tiles == 1:
             return cross_entropy.masked(self.unembed_normed(x, embed), targets, mask)
         with jax.named_scope(components.UNEMBED):
-            return cross_entropy.tiled(x, self.head(embed), targets, mask, tiles, self.logits_of)
+            return cross_entropy.tiled(x, self.head(embed), targets, mask, tiles, self.logits_of, shards)
 
 
 class SingleStackDecoder(DecoderModel):

@@ -101,6 +101,10 @@ class ParallelLayout:
         """The mesh axes one logical axis is split over (() without a mesh)."""
         return () if self.mesh is None else logical.spec_axes(self.spec((axis,))[0])
 
+    def ways(self, axis):
+        """How many shards one logical axis is split into (1 without a mesh)."""
+        return 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.mesh_axes(axis))
+
     # the axes a model's parallelisms run over
     @property
     def tensor(self):

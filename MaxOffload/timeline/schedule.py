@@ -1,7 +1,6 @@
 """Reading a compiled schedule for the simulation (simulate.py): what an instruction is (free, a kernel, a host
 transfer, a collective, an async start and its done), the FLOPs and bytes it computes or moves, and a collective's
 replica groups. Nothing here knows a target's rates."""
-import collections
 import math
 import re
 
@@ -137,39 +136,44 @@ def replica_groups(attributes, devices):
 
 
 def kernel_bytes(module, computation, ins):
-    """HBM bytes one kernel reads and writes: its device-memory operands and result. Inside a fusion, a parameter
-    only sliced (dynamic-slice, slice, gather) reads the slices, and the buffer an in-place dynamic-update-slice
-    writes into costs the update, not the whole buffer (XLA aliases it)."""
+    """HBM bytes one kernel reads and writes: its device-memory operands and result. Inside a fusion (and the
+    fusions it nests), a parameter only sliced (dynamic-slice, slice, gather) reads the slices, and the buffer an
+    in-place dynamic-update-slice writes into costs the update, not the whole buffer (XLA aliases it)."""
     shapes = module.shapes(computation)
     fused = ins.called("calls") if ins.opcode in ("fusion", "fusion-start", "async-start") else None
     if not fused or fused not in module.computations:
         return sum(hlo.nbytes(shapes.get(o, ""), host=False) for o in ins.operands) + hlo.nbytes(ins.shape, host=False)
     body = module.computations[fused]
     inner = module.shapes(fused)
-    users = collections.defaultdict(list)
-    for i in body:
-        for position, operand in enumerate(i.operands):
-            users[operand].append((i, position))
     root = body[-1]
     outputs = [module.computations[fused][-1]] if root.opcode != "tuple" else \
         [next(i for i in body if i.name == o) for o in root.operands if any(i.name == o for i in body)]
     in_place = {o.operands[0] for o in outputs if o.opcode == "dynamic-update-slice" and o.operands}
-
-    def read(name):
-        """Bytes read of a fused parameter, through bitcasts."""
-        if name in in_place:
-            return 0
-        uses = users.get(name, [])
-        if uses and all(u.opcode == "bitcast" for u, _ in uses):
-            return sum(read(u.name) for u, _ in uses)
-        if uses and all(u.opcode in _SLICING and position == 0 for u, position in uses):
-            return sum(hlo.nbytes(u.shape, host=False) for u, _ in uses)
-        return hlo.nbytes(inner.get(name, ""), host=False)
-
-    moved = sum(read(i.name) for i in body if i.opcode == "parameter")
+    moved = sum(0 if i.name in in_place else _read(module, fused, i.name) for i in body if i.opcode == "parameter")
     for out in outputs:
         if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
             moved += hlo.nbytes(inner.get(out.operands[1], ""), host=False)
         else:
             moved += hlo.nbytes(out.shape, host=False)
     return moved
+
+
+def _read(module, computation, name):
+    """Bytes a fused computation reads of its value `name` (a parameter): through bitcasts and into the fusions
+    it nests, the slices taken when it is only sliced, else the whole value."""
+    body, shapes = module.computations[computation], module.shapes(computation)
+    uses = [(i, position) for i in body for position, operand in enumerate(i.operands) if operand == name]
+    if uses and all(u.opcode == "bitcast" for u, _ in uses):
+        return sum(_read(module, computation, u.name) for u, _ in uses)
+    if uses and all(u.opcode in _SLICING and position == 0 for u, position in uses):
+        return sum(hlo.nbytes(u.shape, host=False) for u, _ in uses)
+    if uses and all(u.opcode == "fusion" and u.called("calls") in module.computations for u, _ in uses):
+        return sum(_read(module, u.called("calls"), _parameter(module.computations[u.called("calls")], position))
+                   for u, position in uses)
+    return hlo.nbytes(shapes.get(name, ""), host=False)
+
+
+def _parameter(body, index):
+    """The name of a computation's parameter number `index`."""
+    return next(i.name for i in body if i.opcode == "parameter" and i.operands == [str(index)])
+
