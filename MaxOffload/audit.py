@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-from MaxOffload import hlo
+from MaxOffload import expected_work, hlo
 from MaxOffload.hlo import dims
 from MaxOffload.models import components
 
@@ -48,7 +48,7 @@ TOLERANCE = 1.15
 # The multiple of its model FLOPs a part's matmuls take by construction, where the model's configuration does
 # not say (audit's `multiples`). The model counts half of the causal score matrix (train/flops.py, MaxText's
 # convention); attention without causal block skipping computes all of it and masks half: 2x. A training step
-# knows its attention kernel and length (of_compiled: models/layers.attention_work_multiple).
+# knows its attention kernel and length (of_compiled: expected_work.py).
 EXPECTED = {components.ATTENTION_SCORES: 2.0}
 
 
@@ -462,25 +462,11 @@ def model_flops_per_device(setup):
         return {"model": flops.train_flops_per_step(c, batch, seq_len) / n}
 
 
-def work_multiples(setup):
-    """{component: x} a TrainSetup's step takes by construction: its model configuration's, and its attention
-    kernel's at its sequence length."""
-    from MaxOffload.models import layers
-
-    c = setup.model_config
-    multiples = dict(c.compiled_work_multiples(setup.layout))
-    if hasattr(c, "attention") and hasattr(c, "attention_dims"):
-        _, _, qk_dim, v_dim = c.attention_dims()
-        multiples[components.ATTENTION_SCORES] = layers.attention_work_multiple(c.attention, setup.seq_len,
-                                                                                qk_dim, v_dim, layout=setup.layout)
-    return multiples
-
-
 def of_compiled(compiled, setup):
     """The audit of a TrainSetup's compiled step (a jax Compiled, or its parsed hlo.Module)."""
     module = compiled if isinstance(compiled, hlo.Module) else hlo.parse(compiled.as_text())
     numerics = setup.numerics
-    return audit(module, model_flops_per_device(setup), work_multiples(setup),
+    return audit(module, model_flops_per_device(setup), expected_work.work_multiples(setup),
                  numerics.parts if numerics.mode != "bf16" else ())
 
 

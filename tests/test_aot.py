@@ -42,7 +42,7 @@ def test_the_compiled_work_audit_reads_the_step(reports):
     """The optimized GB200 step's matmul FLOPs against the model FLOPs, per part: save_all does the model's
     work (attention: tokamax's flash kernels, model.attention=auto on GPUs, counted from their shapes: the
     causal half and the VJP's recomputed scores), full remat adds the recomputed forward."""
-    from MaxOffload.models.layers import attention_work_multiple
+    from MaxOffload.expected_work import attention_work_multiple
 
     save_all, full = reports["save_all"]["compiled_work"], reports["full"]["compiled_work"]
     assert 1.0 <= save_all["ratio"] <= 1.15 and save_all["recompute_flops"] == 0, save_all
@@ -331,7 +331,7 @@ def test_attention_kernels_compile_for_gpus_without_the_score_square():
     the keys each block sees (sum rows x keys: 0.72 of the square here, 0.53 at 8,192) and flash is tokamax's
     fused kernel; neither has a [.., L, L] float32 buffer in the compiled module, and the audit holds each to
     its own work multiple."""
-    from MaxOffload.models.layers import attention_work_multiple, xla_work_multiple
+    from MaxOffload.expected_work import attention_work_multiple, xla_work_multiple
 
     length = 1100
     for attention, kernel in (("xla", "xla"), ("flash", "flash:triton")):

@@ -183,3 +183,22 @@ def test_models_never_read_the_active_mesh_nor_the_offload_config():
             path = os.path.join(models_dir, name)
             for attribute in ("active", "remat", "offload"):
                 assert not _source_reads(path, attribute), f"models/{name} reads .{attribute}"
+
+
+def _python_files(relative):
+    """The .py files under MaxOffload/`relative` (a directory, or one file)."""
+    path = os.path.join(ROOT, PACKAGE, relative)
+    if os.path.isfile(path):
+        return [path]
+    return sorted(os.path.join(d, name) for d, _, files in os.walk(path) for name in files if name.endswith(".py"))
+
+
+def test_models_state_structure_and_leave_the_audit_to_the_audit():
+    """What a part of the compiled step computes by construction is the audit's arithmetic (expected_work.py): no
+    file in models/ mentions the audit, docstrings and comments included."""
+    mentions = []
+    for path in _python_files("models"):
+        with open(path) as f:
+            mentions += [f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}" for n, line in enumerate(f, 1)
+                         if "audit" in line.lower()]
+    assert not mentions, "\n".join(mentions)

@@ -483,7 +483,7 @@ def test_the_xla_path_skips_the_keys_a_query_block_cannot_see():
     """Query block i multiplies only by the keys up to its last row: score blocks [16, 16], [16, 32], [16, 48]
     and the last one (50 = 3 x 16 + 2) [2, 50]; none is the whole [50, 50] square, and the work is
     xla_work_multiple = sum(rows x keys) / (L^2 / 2) of the causal half (<= 0.6 of the square at 8,192)."""
-    from MaxOffload.models.layers import xla_work_multiple
+    from MaxOffload.expected_work import xla_work_multiple
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(1, 50, 2, 8)), jnp.float32)

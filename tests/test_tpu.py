@@ -258,7 +258,7 @@ def test_splash_on_a_deviceless_v5e_never_holds_the_scores(tmp_path):
     assert report["compiled_work"]["counted_kernels"].get("splash", 0) >= 3  # forward, its recompute, backward
     assert report["temp_bytes_per_device"] < batch * heads * length * length * 4
     scores = report["compiled_work"]["components"]["attention_scores"]
-    expected = (length + 1024) / length * (8 * 128 + 6 * 128) / (6 * 256)  # layers.attention_work_multiple
+    expected = (length + 1024) / length * (8 * 128 + 6 * 128) / (6 * 256)  # expected_work.attention_work_multiple
     assert scores["compiled_flops"] - scores["recompute_flops"] == pytest.approx(expected * scores["model_flops"],
                                                                                   rel=0.02)
 

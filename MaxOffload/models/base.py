@@ -20,14 +20,9 @@ class FromConfig:
         return {"decoder": (0, self.num_layers)}
 
     def matmul_params_by_component(self):
-        """{models/components part: weights each token multiplies by} (embedding lookup excluded): the model
-        FLOPs the compiled-work audit (MaxOffload/audit.py) holds each part of the compiled step to."""
+        """{models/components part: weights each token multiplies by} (embedding lookup excluded): each part's
+        model FLOPs (train/flops.by_component)."""
         raise NotImplementedError(f"{type(self).__name__} does not split its matmul parameters by component")
-
-    def compiled_work_multiples(self, layout=None):
-        """{models/components part: x}: the multiple of its model FLOPs a part computes by construction under
-        this configuration and parallel layout (the audit's expectation; 1 when absent), e.g. padding rows."""
-        return {}
 
     def params_stored_twice(self):
         """Parameters this model shares that the family's released checkpoints store a second copy of (counted

@@ -1,5 +1,5 @@
 """The parts of a model its matmul work is counted by: each is a jax.named_scope the layers open, so the
-compiled program's op names say which part a matmul belongs to (MaxOffload/audit.py reads them back), and the
+compiled program's op names say which part a matmul belongs to, and the
 family's config says each part's model FLOPs (`matmul_params_by_component`, train/flops.by_component)."""
 from MaxOffload.offload import names
 

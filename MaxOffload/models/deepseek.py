@@ -196,22 +196,14 @@ class DeepSeekConfig(ModelConfig):
         (embed_tokens, shared_head.head), which this model shares with the main model."""
         return self.mtp_depth * (1 if self.tie_embeddings else 2) * self.vocab_size * self.emb_dim
 
-    def compiled_work_multiples(self, layout=None):
-        """Capacity mode computes every expert's `capacity` rows, filled or not: ~capacity_factor x the
-        routed experts' model FLOPs (which count each token's top-k choices once); a dropless buffer's rows are
-        the kernel's shapes, which the audit counts: ~moe_buffer_factor x. Gathering MLA's latent over C context
-        shards (mla_context_gather=latent), every shard makes the keys and values of about the whole sequence
-        (C + 1/2 of its shard's tokens load-balanced: its own two chunks and 2C - 1 blocks) in the forward pass and
-        again in the backward's three GEMMs (the keys, the latent's and the weights' gradients): the up-projections
-        wk_b, wv_b at 4 (C + 1/2) / 3 their model FLOPs, the rest of the projections at 1."""
-        factor = self.capacity_factor or self.moe_buffer_factor
-        multiples = {components.EXPERTS: factor} if factor else {}
-        if layout is not None and layout.gathers_context and self.mla_context_gather == "latent":
-            ways = layout.context_ways + (0.5 if layout.load_balance else 0)
-            up = self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
-            share = (self.num_layers + self.mtp_depth) * up / self.matmul_params_by_component()[components.PROJECTIONS]
-            multiples[components.PROJECTIONS] = 1 + share * (4 * ways / 3 - 1)
-        return multiples
+    def context_gathered_params(self):
+        """Weights each token multiplies by that a context shard gathering MLA's latent (mla_context_gather=latent)
+        applies to every gathered token, making keys and values block by block: the up-projections wk_b, wv_b of
+        every layer and MTP depth; 0 when it gathers the keys and values themselves."""
+        if self.mla_context_gather != "latent":
+            return 0
+        up = self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return (self.num_layers + self.mtp_depth) * up
 
     def contractions(self, model_group, seq_len):
         """{tagged name: K of the matmul producing it} (recompute FLOPs = 2 x elements x K; 0: no matmul,

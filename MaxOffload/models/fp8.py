@@ -11,8 +11,7 @@
   target) and its own VJP differentiates (jax >= 0.11: older jax has no CPU or differentiable lowering).
 
 On CPU the same casts run and XLA computes the dots of the cast values in higher precision, so the quantization
-error is real and tested here; which kernel a GPU runs is only visible in the GPU compile (MaxOffload/audit.py
-counts the FP8 ones).
+error is real and tested here; which kernel a GPU runs is only visible in the GPU compile.
 """
 import functools
 import math

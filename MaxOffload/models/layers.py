@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxOffload.models import components, kernels, matmul
-from MaxOffload.models.attention.plain import BLOCK, query_blocks
+from MaxOffload.models import components, matmul
 from MaxOffload.models.rope import apply_rope, rope_inv_freq  # noqa: F401  (re-exported)
 from MaxOffload.offload import names
 from MaxOffload.parallel.layout import NONE
@@ -33,34 +32,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def xla_work_multiple(length, block=BLOCK):
-    """The xla path's score FLOPs as a multiple of the causal half the model counts (train/flops.py): each
-    block computes rows x visible keys, 2x for one block, (n + 1) / n for n equal blocks."""
-    return sum((stop - start) * stop for start, stop in query_blocks(length, block)) / (length * length / 2)
-
-
-def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK, layout=NONE):
-    """The multiple of the model's attention FLOPs (the causal half: train/flops.py) the compiled step's
-    attention takes by construction under `kernel` (models/kernels.attention_for): the xla path's blocks
-    (xla_work_multiple), or over a context split gathering keys (context_attention) every query x every key: 2;
-    flash's (T + 1) / T pairs per query, and its VJP's recomputed QK^T (audit.py _attention_flops:
-    (8 d + 6 dv) / (6 (d + dv))); flash over C context shards gathering keys (context_flash_attention), as the audit
-    counts its kernels from their shapes: each chunk of c queries c (c + 1) / 2 pairs with its own keys and c^2 with
-    each earlier block of c keys: load-balanced exactly the causal half's (T + 1) / T; in sequence order every shard
-    computes the last shard's C - 1 blocks, (c + 1) / T + 2 - 2 / C."""
-    if kernel == "xla":
-        if layout.gathers_context:
-            return 2.0
-        return xla_work_multiple(length, block)
-    per_pair = (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
-    if kernels.is_splash(kernel):  # whole blocks on and below the diagonal (audit.tpu_splash_flops)
-        return (length + (kernels.splash_block(length, kernel) or length)) / length * per_pair
-    if layout.gathers_context and layout.token_order(length) is None:
-        ways = layout.context_ways
-        return ((length // ways + 1) / length + 2 - 2 / ways) * per_pair
-    return (length + 1) / length * per_pair
 
 
 class SwiGLU(nnx.Module):
