@@ -3,7 +3,7 @@ the compiled-work audit's expectation (audit.py, which warns where a part takes 
 multiple, recomputation aside). Read off the model's structure, never run: the attention kernel and its
 sequence length (the xla path's query blocks, flash's and splash's causal blocks, a context split), a MoE's
 capacity or row buffer, DeepSeek's MLA latent made into keys and values on every context shard."""
-from MaxOffload.models import components, kernels
+from MaxOffload.models import components, cross_entropy, kernels
 from MaxOffload.models.attention.plain import BLOCK, query_blocks
 from MaxOffload.parallel.layout import NONE
 
@@ -45,9 +45,14 @@ def config_multiples(config, layout=None):
     and values (DeepSeek's MLA latent: the config's context_gathered_params, the up-projections wk_b, wv_b) makes
     the keys and values of about the whole sequence (C + 1/2 of its shard's tokens load-balanced: its own two chunks
     and 2C - 1 blocks) in the forward pass and again in the backward's three GEMMs (the keys, the latent's and the
-    weights' gradients): those weights at 4 (C + 1/2) / 3 their model FLOPs, the rest of the projections at 1."""
+    weights' gradients): those weights at 4 (C + 1/2) / 3 their model FLOPs, the rest of the projections at 1. The
+    loss by vocabulary tiles (model.vocab_tiles, models/cross_entropy.py) makes each tile's logits again in the
+    backward pass: the output head at 4 / 3."""
     factor = getattr(config, "capacity_factor", 0) or getattr(config, "moe_buffer_factor", 0)
     multiples = {components.EXPERTS: factor} if factor else {}
+    shards = layout.ways("vocab") if layout is not None else 1
+    if cross_entropy.tiles_for(config.vocab_size, config.vocab_tiles, shards) > 1:
+        multiples[components.UNEMBED] = 4 / 3
     gathered = config.context_gathered_params() if hasattr(config, "context_gathered_params") else 0
     if layout is not None and layout.gathers_context and gathered:
         ways = layout.context_ways + (0.5 if layout.load_balance else 0)
