@@ -7,10 +7,13 @@ at two sizes that fill a v5e's 15.75 GiB, 4 layers x 4 rows (l4b4) and 2 layers 
     splash       full remat, splash attention  keep_splash  the five kept, splash attention (MaxText's "minimal")
     splash_context, keep_splash_context   as splash / keep_splash, and splash's residuals kept (no second forward kernel)
     ..._b512     the same in splash blocks of 512 (MaxText's) instead of 1,024
+    (all with the whole logits, model.vocab_tiles=1, as measured before tiles existed)
     offload_tpu_overlap  offload under the xla.preset=tpu_overlap_offload flags
 XLA's attention unless the name says splash (auto follows model.attention=auto: splash on TPUs). And DeepSeek small
 at the chip's size (ds_xla; ds_auto, splash: configs/deepseek_v3.py:small widened to 2,048, 4 layers, 16 heads with MLA
-q/k 96 and v 64, 16 routed experts of 1,408 top-4, full remat, 4 x 2,048 tokens). ~80 s a train.py run on the v5e.
+q/k 96 and v 64, 16 routed experts of 1,408 top-4, full remat, 4 x 2,048 tokens). And v128k_b{4,8}_{whole,tiled}:
+the loss from the whole logits or by vocabulary tiles at Llama 3's 128,256 tokens (2 layers, splash attention, 4 or 8
+rows). ~80 s a train.py run on the v5e.
 
     python benchmarks/tpu/variants.py names          the variants, one a line
     python benchmarks/tpu/variants.py args NAME      its train.py arguments, one a line: the config, then overrides
@@ -43,7 +46,9 @@ POLICIES = {"remat": {"remat.policy": "full"},
                                     **{f"remat.tensors.{n}": "offload" for n in FIVE}},
             "auto": {"remat.policy": "auto", "model.attention": "auto"}}
 # model.attention=xla: the runs of 2026-12-05 used XLA's attention (then `auto` on TPUs); splash is measured apart
-COMMON = {"model.vocab_size": 32768, "model.param_dtype": "bfloat16", "model.attention": "xla", "train.seq_len": 2048,
+# model.vocab_tiles=1: the whole logits, as measured before the tiled cross-entropy (issue 44) existed
+COMMON = {"model.vocab_size": 32768, "model.vocab_tiles": 1, "model.param_dtype": "bfloat16", "model.attention": "xla",
+          "train.seq_len": 2048,
           "train.steps": STEPS, "train.warmup_steps": 2, "train.eval_every": 0, "train.eval_batches": 1,
           "run.log_every": 1, "data.source": "synthetic", "checkpoint.enabled": False}
 # DeepSeek small widened to the MLA and MoE shapes of issue 47's kernel tables
@@ -57,6 +62,12 @@ ORDER = [(size, policy) for size in SIZES for policy in POLICIES if policy != "a
 VARIANTS = {f"{size}_{policy}": (LLAMA, {**COMMON, **SIZES[size], **POLICIES[policy]}) for size, policy in ORDER}
 VARIANTS.update({f"ds_{attention}": (DEEPSEEK, {**COMMON, **DEEPSEEK_SMALL, "model.attention": attention})
                  for attention in ("xla", "auto")})
+# the cross-entropy by vocabulary tiles (model.vocab_tiles, issue 44) against the whole logits at Llama 3's own 128,256
+# tokens, 2 layers, splash attention, full remat, 4 and 8 rows (benchmarks/cross_entropy.py predicts them deviceless)
+VARIANTS.update({f"v128k_b{rows}_{loss}": (LLAMA, {**COMMON, "model.vocab_size": 128256, "model.vocab_tiles": tiles,
+                                                   "model.attention": "auto", "model.num_layers": 2,
+                                                   "train.per_device_batch_size": rows, "remat.policy": "full"})
+                 for rows in (4, 8) for loss, tiles in (("whole", 1), ("tiled", 0))})
 # (2026-12-05's device check ran remat, offload, keep and auto with XLA's attention)
 
 
