@@ -52,6 +52,19 @@ def require_target(cfg):
                            f"aot.target={cfg.aot.target}")
 
 
+def lowering(device):
+    """Context for lowering a step for the devices of `device`'s kind: for GPUs this process does not have (the
+    deviceless compile), Pallas-Triton reads the target GPU's kind from the default device (jax >= 0.12). It asks
+    this process's backend whether it has GPUs, which is why it lives here and not with the models."""
+    import contextlib
+
+    import jax
+
+    if device.platform in ("gpu", "cuda", "rocm") and jax.default_backend() != "gpu":
+        return jax.default_device(device)
+    return contextlib.nullcontext()
+
+
 def compile_only_devices(target, topology, num_slices=1):
     """The compile-only devices of `target` (a key of hardware.ACCELERATORS) in `topology` (GPUs: SxHxG; TPUs: a
     slice's chip grid, `num_slices` of them). Turns JAX's persistent compilation cache off for this process: it

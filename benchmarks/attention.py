@@ -79,14 +79,14 @@ def compiled(impl, shape, length, device):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from MaxOffload import audit
+    from MaxOffload import audit, deviceless
     from MaxOffload.models import kernels
 
     s = NamedSharding(jax.sharding.Mesh([device], ("x",)), PartitionSpec())
     spec = lambda *d, dt=jnp.bfloat16: jax.ShapeDtypeStruct(d, dt, sharding=s)  # noqa: E731
     args = (spec(1, length, shape["heads"], shape["qk_dim"]), spec(1, length, shape["kv_heads"], shape["qk_dim"]),
             spec(1, length, shape["kv_heads"], shape["v_dim"]), spec(shape["v_dim"], dt=jnp.float32))
-    with kernels.lowering(device):
+    with deviceless.lowering(device):
         c = jax.jit(step(impl, kernels.platform(device))).lower(*args).compile()
     flops = audit.count(c.as_text()).total
     return {"compiled_flops": flops, "causal_flops": causal_flops(length, **{k: shape[k] for k in

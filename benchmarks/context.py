@@ -99,7 +99,7 @@ def compiled(strategy, shape, length, devices, rates):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from MaxOffload.models import kernels
+    from MaxOffload import deviceless
     from MaxOffload.timeline import simulate
 
     mesh = Mesh(devices, ("context",))
@@ -109,7 +109,7 @@ def compiled(strategy, shape, length, devices, rates):
     split = NamedSharding(mesh, PartitionSpec(None, "context"))  # the tokens' axis
     args += [jax.ShapeDtypeStruct((1, length, *dims), jnp.bfloat16, sharding=split) for dims in inputs]
     args += [jax.ShapeDtypeStruct(dims, jnp.bfloat16, sharding=whole) for dims in weights]
-    with kernels.lowering(devices[0]):
+    with deviceless.lowering(devices[0]):
         c = jax.jit(fn).lower(*args).compile()
     text = c.as_text()
     predicted, _ = simulate.simulate(text, rates, len(devices))

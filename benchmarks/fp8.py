@@ -63,7 +63,7 @@ def compiled(block, mode, tokens, device):
     """The audit of one block's compiled forward + backward under `mode`: GEMM kernels, FP8 share, memory."""
     import jax
 
-    from MaxOffload import audit, xla
+    from MaxOffload import audit, deviceless, xla
     from MaxOffload.models import kernels, matmul
 
     numerics = matmul.Numerics(mode=mode)
@@ -72,7 +72,7 @@ def compiled(block, mode, tokens, device):
     else:
         impl = "capacity" if block == "experts capacity" else "tokamax"
         fn, args = expert_block(impl, kernels.platform(device), numerics), expert_arguments(tokens, device)
-    with kernels.lowering(device):
+    with deviceless.lowering(device):
         c = jax.jit(fn).lower(*args).compile(compiler_options=xla.compiler_options("baseline", mode))
     matmuls = audit.count(c.as_text()).matmuls
     found = {}

@@ -56,7 +56,7 @@ def compile_layer(exchange, ep, devices, tokens, target, topology):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from MaxOffload import audit, hardware
+    from MaxOffload import audit, deviceless, hardware
     from MaxOffload.models import kernels
     from MaxOffload.timeline import engines, simulate
 
@@ -71,7 +71,7 @@ def compile_layer(exchange, ep, devices, tokens, target, topology):
             shape((n, tokens, TOP_K), jnp.float32, batch), shape((EXPERTS, EMB, MOE_MLP), jnp.bfloat16, experts_at_home),
             shape((EXPERTS, EMB, MOE_MLP), jnp.bfloat16, experts_at_home),
             shape((EXPERTS, MOE_MLP, EMB), jnp.bfloat16, experts_at_home))
-    with kernels.lowering(devices[0]):
+    with deviceless.lowering(devices[0]):
         compiled = jax.jit(fn).lower(*args).compile()
     text = compiled.as_text()
     accelerator = hardware.ACCELERATORS[target]

@@ -73,11 +73,11 @@ def compiled(impl, tokens, devices):
     """(compiled matmul FLOPs, ideal FLOPs, temp bytes, argument bytes) of one expert block on one device."""
     import jax
 
-    from MaxOffload import audit
+    from MaxOffload import audit, deviceless
     from MaxOffload.models import kernels
 
     rows, balanced = expert_rows(tokens)
-    with kernels.lowering(devices[0]):
+    with deviceless.lowering(devices[0]):
         step = jax.jit(expert_block(impl, kernels.platform(devices[0])))
         c = step.lower(*expert_arguments(tokens, devices[0])).compile()
     m = c.memory_analysis()

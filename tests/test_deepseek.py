@@ -280,7 +280,7 @@ def test_mla_matches_naive_reference():
     mla = deepseek.MLA(emb_dim=d, num_heads=h, q_lora_rank=ql, kv_lora_rank=kl, qk_nope_head_dim=nope,
                        qk_rope_head_dim=rope, v_head_dim=vd, inv_freq=inv_freq, rope_amplitude=1.3,
                        softmax_scale=0.37, norm_eps=1e-6, param_dtype=jnp.float32, numerics=matmul.Numerics("float32"),
-                       init_std=0.3, rngs=nnx.Rngs(params=1))
+                       init_std=0.3, rngs=nnx.Rngs(params=1), attention="xla")
     mla.q_norm.scale[...] = jnp.asarray(rand(rng, ql)) + 1
     mla.kv_norm.scale[...] = jnp.asarray(rand(rng, kl)) + 1
     x = rand(rng, b, l, d)

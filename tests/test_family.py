@@ -81,7 +81,7 @@ class ToyLayer(nnx.Module):
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, inv_freq=rope_inv_freq(c.head_dim, c.rope_theta),
                                    param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs,
-                                   layout=layout)
+                                   attention=c.attention, layout=layout)
         self.mlp_norm = LayerNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.wi = param(rngs, (c.emb_dim, c.mlp_dim), ("embed", "mlp"), pdt, c.init_std)
         self.wo = param(rngs, (c.mlp_dim, c.emb_dim), ("mlp", "embed"), pdt, c.init_std)

@@ -202,3 +202,31 @@ def test_models_state_structure_and_leave_the_audit_to_the_audit():
             mentions += [f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}" for n, line in enumerate(f, 1)
                          if "audit" in line.lower()]
     assert not mentions, "\n".join(mentions)
+
+
+# Code that must never read this process's devices or backend: it is built for the devices it is handed (a mesh, a
+# kernel chosen by models/kernels.for_platform), which for a deviceless compile are not this process's. Paths under
+# MaxOffload/, a directory or one file.
+NO_DEVICE_READS = ["models/"]
+DEVICE_READS = ("jax.devices", "jax.local_devices", "jax.default_backend")
+
+
+def device_reads(path):
+    """['line: call'] of the calls in a module's code (comments and strings aside) that read the process's devices."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    calls = sorted((n.lineno, ast.unparse(n.func)) for n in ast.walk(tree) if isinstance(n, ast.Call))
+    return [f"{line}: {name}(...)" for line, name in calls if name in DEVICE_READS]
+
+
+def test_the_models_never_read_this_process_s_devices():
+    found = {os.path.relpath(path, ROOT): reads for relative in NO_DEVICE_READS for path in _python_files(relative)
+             if (reads := device_reads(path))}
+    assert not found, found
+
+
+def test_the_device_read_check_finds_a_call_and_not_a_comment(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('"""jax.devices() in a docstring"""\nimport jax\n# jax.default_backend()\n'
+                      "x = jax.devices()[0]\ny = jax.local_devices(process_index=0)\n")
+    assert device_reads(str(module)) == ["4: jax.devices(...)", "5: jax.local_devices(...)"]

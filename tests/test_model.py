@@ -460,6 +460,7 @@ def test_both_attention_paths_equal_the_full_square_with_gradients(heads, kv_hea
     """The xla path (query blocks of 16 here, the last one shorter when the length is no multiple) and the
     flash path (tokamax behind the same call; its chunked XLA implementation on CPU) against the plain full
     causal square: values and gradients, GQA and MLA's q/k head dim above v's."""
+    from MaxOffload.models import kernels
     from MaxOffload.models.attention.dispatch import attention
 
     rng = np.random.default_rng(length)
@@ -469,7 +470,7 @@ def test_both_attention_paths_equal_the_full_square_with_gradients(heads, kv_hea
     weights = jnp.asarray(rng.normal(size=(v_dim,)), jnp.float32)
     paths = {"full": lambda q, k, v: _full_attention(q, k, v, 0.3),
              "xla": lambda q, k, v: causal_attention(q, k, v, 0.3, block=16),
-             "flash": lambda q, k, v: attention(q, k, v, 0.3, "flash")}
+             "flash": lambda q, k, v: attention(q, k, v, 0.3, kernels.attention_for("flash", "cpu"))}
     results = {name: (fn(q, k, v), jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * weights), (0, 1, 2))(q, k, v))
                for name, fn in paths.items()}
     want, want_grads = results.pop("full")
@@ -477,6 +478,18 @@ def test_both_attention_paths_equal_the_full_square_with_gradients(heads, kv_hea
         np.testing.assert_allclose(got, want, atol=2e-6, err_msg=name)
         for a, b in zip(grads, want_grads):
             np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
+
+
+def test_attention_takes_only_a_kernel_chosen_for_a_platform():
+    """The models never pick a kernel for the devices this process happens to have: TrainSetup chooses it for its
+    mesh (kernels.for_platform), and attention refuses a choice not made yet."""
+    from MaxOffload.models.attention.dispatch import attention
+
+    q = k = v = jnp.zeros((1, 8, 2, 4), jnp.float32)
+    for unchosen in ("auto", "flash"):
+        with pytest.raises(ValueError, match="for_platform"):
+            attention(q, k, v, None, unchosen)
+    assert attention(q, k, v, None, "xla").shape == (1, 8, 2, 4)
 
 
 def test_the_xla_path_skips_the_keys_a_query_block_cannot_see():

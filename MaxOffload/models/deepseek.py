@@ -279,7 +279,8 @@ class MLA(nnx.Module):
 
     def __init__(self, *, emb_dim, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, numerics,
-                 init_std, rngs, attention="auto", layout=NONE, context_gather="latent"):
+                 init_std, rngs, attention, layout=NONE, context_gather="latent"):
+        """attention: the kernel, chosen for the platform (models/kernels.attention_for)."""
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
         self.rope_amplitude, self.softmax_scale, self.numerics = rope_amplitude, softmax_scale, numerics
         self.layout, self.context_gather = layout, context_gather

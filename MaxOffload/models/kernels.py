@@ -7,7 +7,7 @@ expert (experts x the FLOPs, gigabytes of temporaries: benchmarks/results/moe_ke
 Pallas-Triton `ragged_dot` is a grouped GEMM: one `__gpu$xla.gpu.triton` custom call per product (forward, d lhs, d rhs),
 temporaries in megabytes, and its work follows the group sizes. It compiles deviceless for H200 / GB200 when
 lowered with tokamax's cross_compile option on and, on jax >= 0.12, with the target GPU as the default
-device (`lowering`). Its "mosaic" implementation refuses a CPU process even then, so Triton it is.
+device (MaxOffload/deviceless.lowering). Its "mosaic" implementation refuses a CPU process even then, so Triton it is.
 
 GROUPED_GEMM, the values of `model.moe_kernel`:
     auto     tokamax on GPUs (deviceless compiles for GPU targets included), XLA elsewhere
@@ -24,7 +24,6 @@ ATTENTION, the values of `model.attention`:
 The TPU kernel, `splash`: jax's Pallas splash attention (models/attention/splash.py), in blocks of SPLASH_BLOCKS.
 The attention kernels themselves live in models/attention/; this module names them and says which runs where.
 """
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -169,10 +168,3 @@ def ragged_weight_gradient(lhs, dout, group_sizes, kernel):
                                                 preferred_element_type=lhs.dtype,
                                                 implementation=implementation(kernel))
 
-
-def lowering(device):
-    """Context for lowering a step for the devices of `device`'s kind: for GPUs this process does not have (the
-    deviceless compile), Pallas-Triton reads the target GPU's kind from the default device (jax >= 0.12)."""
-    if platform(device) == "gpu" and jax.default_backend() != "gpu":
-        return jax.default_device(device)
-    return contextlib.nullcontext()

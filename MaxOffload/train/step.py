@@ -9,7 +9,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxOffload import models, xla
+from MaxOffload import deviceless, models, xla
 from MaxOffload.models import components, kernels, matmul
 from MaxOffload.models.stack import to_device
 from MaxOffload.errors import ConfigError
@@ -23,7 +23,7 @@ HOST, DEVICE = "pinned_host", "device"
 
 
 def check_splash(model_config, seq_len, layout):
-    """ConfigError (one line) for a step TPUs cannot run with their attention kernel (models/kernels.splash_attention):
+    """ConfigError (one line) for a step TPUs cannot run with their attention kernel (models/attention/splash.py):
     a sequence no splash block divides, or a sequence split over a context axis."""
     kernel = getattr(model_config, "attention", None)
     if not kernels.is_splash(kernel or ""):
@@ -383,13 +383,13 @@ class TrainSetup:
         """Lowers the real training step for abstract inputs; `lower(jitted, *args)` may replace
         `jitted.lower(*args)` (e.g. jax.export for another platform)."""
         jitted, args = self.jitted_train_step(), (self.abstract_state, self.abstract_batch())
-        with kernels.lowering(self.mesh.devices.flat[0]):
+        with deviceless.lowering(self.mesh.devices.flat[0]):
             return lower(jitted, *args) if lower else jitted.lower(*args)
 
     def compile(self, jitted, *args):
         """A jitted function of this run's arrays (or their shapes), compiled as the step is: lowered for the run's
         devices, with the plan's XLA preset."""
-        with kernels.lowering(self.mesh.devices.flat[0]):
+        with deviceless.lowering(self.mesh.devices.flat[0]):
             return jitted.lower(*args).compile(compiler_options=self.compiler_options)
 
     def compile_train_step(self):

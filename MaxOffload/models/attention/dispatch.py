@@ -12,14 +12,23 @@ from MaxOffload.models.attention.splash import splash_attention
 from MaxOffload.parallel.layout import NONE
 
 
+def chosen(kernel):
+    """`kernel` when it is a kernel chosen for a platform ('xla', 'flash:<implementation>', 'splash[:<block>]');
+    ValueError for a choice not yet made for one ('auto', 'flash')."""
+    if kernel == "xla" or kernel.startswith("flash:") or kernels.is_splash(kernel):
+        return kernel
+    raise ValueError(f"attention kernel {kernel!r} is not chosen for a platform: choose it with "
+                     "models/kernels.for_platform(config, platform) (or kernels.attention_for), as TrainSetup does")
+
+
 def attention(q, k, v, scale, kernel, layout=NONE, positions=None, source=None):
-    """Causal attention by `kernel`: models/kernels.attention_for of `model.attention` (TrainSetup chooses it for
-    its devices; an unchosen one is chosen here for this process's default device). The flash kernel runs per
-    shard of the layout's query sharding. Over a sequence split by the layout's context axes, the layout's context
+    """Causal attention by `kernel`, chosen for the devices the step runs on (models/kernels.attention_for of
+    `model.attention`: TrainSetup applies kernels.for_platform; an unchosen one is a ValueError). The flash kernel
+    runs per shard of the layout's query sharding. Over a sequence split by the layout's context axes, the layout's context
     strategy (context.STRATEGIES, `mesh.context_attention`) attends with `source` (KeySource; by default k and v,
     which are then not needed); else XLA's partitioning of the whole-sequence attention. `positions` [b, l]: the
     tokens' global positions (needed when the layout reorders them)."""
-    kernel = kernels.attention_for(kernel, kernels.platform(jax.devices()[0]))
+    kernel = chosen(kernel)
     over_context = context.strategy(layout)
     if over_context is not None:
         return over_context(q, source or KeySource.of_keys(q, k, v), positions, scale, kernel, layout)

@@ -14,7 +14,8 @@ class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE."""
 
     def __init__(self, *, emb_dim, num_heads, num_kv_heads, head_dim, inv_freq, param_dtype, numerics, init_std,
-                 rngs, attention="auto", layout=NONE):
+                 rngs, attention, layout=NONE):
+        """attention: the kernel, chosen for the platform (models/kernels.attention_for)."""
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
         self.numerics, self.attention, self.layout = numerics, attention, layout
         self.wq = param(rngs, (emb_dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype, init_std)
