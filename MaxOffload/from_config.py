@@ -40,14 +40,12 @@ def static_plan(cfg):
     return template(cfg).with_segments(segments.layer_segments(cfg.remat, models.layer_groups(cfg.model)))
 
 
-def model(cfg, plan=None, rngs=None):
+def model(cfg, plan=None, rngs=None, platform="cpu"):
     """cfg's model with freshly initialised parameters (under jax.eval_shape for shapes only), its kernels chosen
-    for this process's devices."""
-    import jax
-
+    for `platform` (models/kernels.platform of the devices it will run on; TrainSetup chooses for its mesh's)."""
     from MaxOffload.models import kernels
 
-    config = kernels.for_platform(models.model_config(cfg.model), kernels.platform(jax.devices()[0]))
+    config = kernels.for_platform(models.model_config(cfg.model), platform)
     plan = plan if plan is not None else static_plan(cfg)
     return models.build(config, plan, rngs if rngs is not None else nnx.Rngs(params=cfg.run.seed),
                         numerics=numerics(cfg, plan))
