@@ -30,8 +30,7 @@ from MaxOffload.cli import tool
 from MaxOffload.memory import compiled_bytes
 from MaxOffload.reports import gib
 from MaxOffload.timeline import engines, simulate, summary, trace
-from MaxOffload.deviceless import (HOST_USABLE, compile_only_devices, plugin_missing, require_plugin,  # noqa: F401
-                                   require_target)  # (HOST_USABLE .. require_plugin re-exported)
+from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, require_target
 
 
 def build_report(cfg, plan, target, topology):

@@ -220,12 +220,12 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
 
     import jaxlib
 
-    from MaxOffload import aot
+    from MaxOffload import deviceless
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
-    message = aot.plugin_missing()
+    message = deviceless.plugin_missing()
     assert f"jax-cuda13-plugin=={jaxlib.__version__}" in message and f"jax-cuda13-pjrt=={jaxlib.__version__}" in message
 
 

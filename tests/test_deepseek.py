@@ -21,7 +21,8 @@ from test_model import checkpoint_names  # the jaxpr walker, itself tested there
 from MaxOffload import from_config
 from MaxOffload import models
 from MaxOffload.config import ConfigError, load
-from MaxOffload.models import deepseek, kernels, matmul, moe, routing
+from MaxOffload.models import deepseek, exchange, kernels, matmul, moe, routing
+from MaxOffload.models.rope import yarn_inv_freq
 from MaxOffload.train.flops import train_flops_per_step
 
 EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -252,7 +253,7 @@ def ref_yarn(dim, base, factor, orig, beta_fast, beta_slow):
                                                   (16, 500000.0, 8.0, 8192)])
 def test_yarn_frequencies_match_reference(dim, base, factor, orig):
     ref, low, high = ref_yarn(dim, base, factor, orig, 32.0, 1.0)
-    got = deepseek.yarn_inv_freq(dim, base, factor, orig, 32.0, 1.0)
+    got = yarn_inv_freq(dim, base, factor, orig, 32.0, 1.0)
     np.testing.assert_allclose(got, ref, rtol=1e-6)
     unscaled = 1.0 / base ** (np.arange(0, dim, 2) / dim)
     if dim == 64:  # DeepSeek-V3: all three regimes occur
@@ -276,7 +277,7 @@ def test_deepseek_v3_attention_scale_and_rope_amplitude():
 def test_mla_matches_naive_reference():
     rng = np.random.default_rng(0)
     b, l, d, h, ql, kl, nope, rope, vd = 2, 7, 24, 3, 12, 10, 8, 6, 5
-    inv_freq = deepseek.yarn_inv_freq(rope, 10000.0, 4.0, 4, 32.0, 1.0)
+    inv_freq = yarn_inv_freq(rope, 10000.0, 4.0, 4, 32.0, 1.0)
     mla = deepseek.MLA(emb_dim=d, num_heads=h, q_lora_rank=ql, kv_lora_rank=kl, qk_nope_head_dim=nope,
                        qk_rope_head_dim=rope, v_head_dim=vd, inv_freq=inv_freq, rope_amplitude=1.3,
                        softmax_scale=0.37, norm_eps=1e-6, param_dtype=jnp.float32, numerics=matmul.Numerics("float32"),
@@ -324,7 +325,7 @@ def brute_force_group_top_k(scores, top_k, n_groups, topk_groups):
                                                               (10, 3, 1, 1)])
 def test_group_limited_top_k_matches_brute_force(experts, top_k, groups, topk_groups):
     scores = np.random.default_rng(experts + top_k).standard_normal((50, experts)).astype(np.float32)
-    got = np.asarray(moe.group_limited_top_k(jnp.asarray(scores), top_k, groups, topk_groups))
+    got = np.asarray(routing.group_limited_top_k(jnp.asarray(scores), top_k, groups, topk_groups))
     for t in range(len(scores)):
         assert set(got[t].tolist()) == brute_force_group_top_k(scores[t], top_k, groups, topk_groups), t
 
@@ -334,7 +335,7 @@ def test_router_sigmoid_scores_bias_selects_gates_unbiased():
     x, w = rand(rng, 2, 5, 16), rand(rng, 16, 8, scale=0.5)
     bias = np.zeros(8, np.float32)
     bias[6] = 10.0  # expert 6 wins every selection, whatever its score
-    experts, gates, scores = moe.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), top_k=3, n_groups=1,
+    experts, gates, scores = routing.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), top_k=3, n_groups=1,
                                        topk_groups=1, scaling=2.5)
     ref_scores = sigmoid(x.astype(np.float64) @ w)
     np.testing.assert_allclose(np.asarray(scores), ref_scores, rtol=1e-5)
@@ -346,7 +347,7 @@ def test_router_sigmoid_scores_bias_selects_gates_unbiased():
         # gates: the chosen experts' unbiased scores, normalised, x routed_scaling_factor
         np.testing.assert_allclose(gates[b, t], s[experts[b, t]] / s[experts[b, t]].sum() * 2.5, rtol=1e-5)
     # the bias never receives a gradient: it only selects
-    grad = jax.grad(lambda bias: moe.route(jnp.asarray(x), jnp.asarray(w), bias, top_k=3, n_groups=1, topk_groups=1,
+    grad = jax.grad(lambda bias: routing.route(jnp.asarray(x), jnp.asarray(w), bias, top_k=3, n_groups=1, topk_groups=1,
                                            scaling=2.5)[1].sum())(jnp.asarray(bias))
     assert float(jnp.abs(grad).max()) == 0.0
 
@@ -354,7 +355,7 @@ def test_router_sigmoid_scores_bias_selects_gates_unbiased():
 def test_bias_update_sign_rule():
     load = jnp.array([[5.0, 1.0, 3.0, 3.0], [2.0, 2.0, 2.0, 2.0]])
     bias = jnp.array([[0.1, 0.0, -0.2, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    new = np.asarray(moe.updated_bias(bias, load, 0.001))
+    new = np.asarray(routing.updated_bias(bias, load, 0.001))
     np.testing.assert_allclose(new, [[0.099, 0.001, -0.2, 0.0], [0, 0, 0, 0]], rtol=1e-6, atol=1e-9)
 
 
@@ -363,7 +364,7 @@ def test_sequence_balance_loss_by_hand():
     experts = np.array([[[0, 2], [1, 3]]])
     # f_i = E / (k L) * count = 4 / 4 * 1 for every expert; P_i = mean over tokens of normalised scores
     p = (scores[0] / scores[0].sum(-1, keepdims=True)).mean(0)
-    assert float(moe.sequence_balance_loss(jnp.asarray(scores), jnp.asarray(experts))) == pytest.approx(p.sum())
+    assert float(routing.sequence_balance_loss(jnp.asarray(scores), jnp.asarray(experts))) == pytest.approx(p.sum())
 
 
 # --------------------------------------------------------------------------------------------
@@ -446,7 +447,7 @@ def test_dropless_buffer_keeps_the_first_rows_in_expert_order_and_counts_the_res
     layer = make_moe(buffer_factor=0.5)
     x = rand(np.random.default_rng(9), 3, 5, 16)
     out, stats = jax.jit(lambda x: layer(x))(jnp.asarray(x))
-    experts, _, _ = moe.route(jnp.asarray(x), layer.router[...], layer.router_bias[...], top_k=2, n_groups=1,
+    experts, _, _ = routing.route(jnp.asarray(x), layer.router[...], layer.router_bias[...], top_k=2, n_groups=1,
                               topk_groups=1, scaling=2.5)
     rank = np.argsort(np.argsort(np.asarray(experts).reshape(-1), kind="stable"), kind="stable").reshape(3, 5, 2)
     np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x, lambda b, t, c, e: rank[b, t, c] < 15),
@@ -461,7 +462,7 @@ def test_dropless_gradients_match_dense_reference():
     """Gradients through sort + ragged_dot == gradients of every expert on every token, masked by the routing."""
     layer = make_moe(num_shared=0)
     x = jnp.asarray(rand(np.random.default_rng(3), 2, 4, 16))
-    experts, gates, _ = moe.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
+    experts, gates, _ = routing.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
                                   scaling=2.5)
 
     def dense(x, gates, wi_0, wi_1, wo):
@@ -491,7 +492,7 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     experts[0] = [[1, rng.choice([0, 2, 3])] for _ in range(l)]  # sequence 0: all want expert 1 -> 3 get it
     gates = rand(rng, b, l, k) ** 2
     wi_0, wi_1, wo = rand(rng, e, d, m), rand(rng, e, d, m), rand(rng, e, m, d)
-    positions = moe.capacity_positions(jnp.asarray(experts), e)
+    positions = exchange.capacity_positions(jnp.asarray(experts), e)
     got, counted = moe.routed_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(gates), positions,
                                       jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity,
                                       numerics=matmul.Numerics("float32"))
@@ -537,7 +538,7 @@ def test_capacity_mode_statistics_count_dropped_choices():
     layer = make_moe(capacity_factor=0.5)  # capacity = ceil(0.5 * 10 * 2 / 6) = 2 per expert and sequence
     x = jnp.asarray(rand(np.random.default_rng(7), 3, 10, 16))
     _, stats = layer(x)
-    experts, _, _ = moe.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
+    experts, _, _ = routing.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
                               scaling=2.5)
     counts = np.stack([np.bincount(np.asarray(experts[b]).ravel(), minlength=6) for b in range(3)])
     assert float(stats["dropped"]) == np.maximum(counts - 2, 0).sum() > 0

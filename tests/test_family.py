@@ -22,7 +22,8 @@ from MaxOffload.errors import require, require_choice
 from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models import components, matmul
 from MaxOffload.models.attention.gqa import Attention
-from MaxOffload.models.layers import BATCH_LENGTH_EMBED, param, rope_inv_freq
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, param
+from MaxOffload.models.rope import rope_inv_freq
 from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, planner

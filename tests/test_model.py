@@ -16,7 +16,7 @@ from MaxOffload import models
 from MaxOffload.config import get_config
 from MaxOffload.models import llama
 from MaxOffload.models.attention.plain import causal_attention
-from MaxOffload.models.layers import apply_rope, rope_inv_freq
+from MaxOffload.models.rope import apply_rope, rope_inv_freq
 from MaxOffload.offload.names import VOCABULARY
 from MaxOffload.train.flops import train_flops_per_step
 
@@ -478,6 +478,34 @@ def test_both_attention_paths_equal_the_full_square_with_gradients(heads, kv_hea
         np.testing.assert_allclose(got, want, atol=2e-6, err_msg=name)
         for a, b in zip(grads, want_grads):
             np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
+
+
+def test_tokamax_s_private_attention_ops_are_read_in_one_adapter():
+    """Attention in pieces needs the residuals tokamax's public call hides: only models/attention/tokamax_adapter.py
+    reads tokamax._src, written for the versions requirements.txt admits (SUPPORTED: every pin, nothing else); the
+    installed tokamax is one of them, and one without the op is one line naming the installed and supported ones."""
+    import glob
+
+    import tokamax
+    from packaging.requirements import Requirement
+
+    from MaxOffload.errors import ConfigError
+    from MaxOffload.models.attention import tokamax_adapter
+
+    readers = []
+    for path in glob.glob(os.path.join(os.path.dirname(__file__), "..", "MaxOffload", "**", "*.py"), recursive=True):
+        with open(path) as f:
+            if "tokamax._src" in f.read():
+                readers.append(os.path.basename(path))
+    assert readers == ["tokamax_adapter.py"]
+    with open(os.path.join(os.path.dirname(__file__), "..", "requirements.txt")) as f:
+        pins = [Requirement(line.split("#")[0].strip()) for line in f if line.startswith("tokamax")]
+    admitted = {f"0.0.{n}" for n in range(30) for pin in pins if pin.specifier.contains(f"0.0.{n}")}
+    assert pins and admitted == set(tokamax_adapter.SUPPORTED)
+    assert tokamax.__version__ in tokamax_adapter.SUPPORTED
+    with pytest.raises(ConfigError, match=f"tokamax {tokamax.__version__} has no attention op 'nowhere'") as error:
+        tokamax_adapter.attention_op("nowhere")
+    assert "0.0.12, 0.0.13, 0.0.14" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_attention_takes_only_a_kernel_chosen_for_a_platform():

@@ -139,13 +139,13 @@ TWO_DEVICES_SCRIPT = """
 import json, sys
 from MaxOffload import from_config
 from MaxOffload.config import load
-from MaxOffload.offload import inspect
+from MaxOffload.offload import placement
 base = %r
 out = {}
 for label, mesh in (("dp", ["mesh.ici.fsdp=2"]), ("tp", ["mesh.ici.fsdp=1", "mesh.ici.tensor=2"])):
     cfg = load(base + ["run.output_dir=" + sys.argv[1] + "/" + label] + mesh)
     setup = from_config.train_setup(cfg)
-    report = inspect.build_report(cfg, setup, cpu_memory=False)
+    report = placement.build_report(cfg, setup, cpu_memory=False)
     out[label] = {"report": report, "devices": setup.mesh.size}
     if label == "tp":
         hlo = setup.compile_train_step().as_text()
@@ -231,7 +231,7 @@ def test_expected_sets_follow_the_rule():
 def test_preset_report(preset, tmp_path):
     cfg = tiny(tmp_path, f"remat.policy={preset}")
     setup = from_config.train_setup(cfg)
-    report = inspect_lib.build_report(cfg, setup, cpu_memory=False)
+    report = placement.build_report(cfg, setup, cpu_memory=False)
     offloaded, saved = EXPECTED[preset]
     unused = SAVE_ALL_UNUSED if preset == "save_all" else {WO}
     recomputed = TAGGED - offloaded - saved - unused
@@ -266,7 +266,7 @@ def test_minimal_offloaded_bytes_by_hand(tmp_path):
     """q 4x16 + k 2x16 + v 2x16 + out_proj 64 + mlpwi_0 176 + mlpwi_1 176 = 544 floats per token,
     x 2 sequences x 32 tokens x 4 bytes x 2 layers."""
     cfg = tiny(tmp_path, "remat.policy=minimal_offloaded")
-    report = inspect_lib.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
+    report = placement.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
     assert report["offload_bytes_per_device"] == 544 * 2 * 32 * 4 * 2 == 278528
 
 
@@ -275,7 +275,7 @@ def test_offloading_the_layer_input_takes_effect(tmp_path):
     (jax#23869 does not bite here): decoder_layer_input=offload is reported offloaded, with one
     placement, and nothing else changes."""
     cfg = tiny(tmp_path, "remat.tensors.decoder_layer_input=offload")
-    report = inspect_lib.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
+    report = placement.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
     group = report["groups"]["layers_0_1"]
     assert group["offloaded"] == [DLI] and group["saved"] == []
     assert set(group["remat"]) == NEEDED - {DLI}
@@ -304,7 +304,7 @@ def test_group_segments(group_cfg):
 
 
 def test_group_report(group_cfg):
-    report = inspect_lib.build_report(group_cfg, from_config.train_setup(group_cfg), cpu_memory=False)
+    report = placement.build_report(group_cfg, from_config.train_setup(group_cfg), cpu_memory=False)
     assert list(report["groups"]) == list(GROUP_SEGMENTS)
     for label, (remat_group, layers, offloaded) in GROUP_SEGMENTS.items():
         group = report["groups"][label]
@@ -333,7 +333,7 @@ OFFLOAD_RECIPE = os.path.join(ROOT, "configs", "llama3_1_offload.py")
 def test_offload_recipe_small(tmp_path):
     cfg = load([f"{OFFLOAD_RECIPE}:small", f"train.seq_len={SEQ}", f"train.per_device_batch_size={PER_DEVICE_BATCH}",
                 "model.compute_dtype=float32", f"run.output_dir={tmp_path}"])  # small: 4 layers
-    report = inspect_lib.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
+    report = placement.build_report(cfg, from_config.train_setup(cfg), cpu_memory=False)
     assert list(report["groups"]) == ["layers_0_1", "layers_2_3"]
     body, last_two = report["groups"]["layers_0_1"], report["groups"]["layers_2_3"]
     assert set(body["offloaded"]) == {Q, K, V, OUT} and set(body["saved"]) == {DLI}
@@ -368,14 +368,14 @@ EXTRA_PLACEMENT = ('%999 = stablehlo.custom_call @annotate_device_placement(%998
 
 def test_placement_cross_check(qkv_offloaded):
     cfg, setup, text = qkv_offloaded
-    assert inspect_lib.build_report(cfg, setup, cpu_memory=False, lowered_text=text)["problems"] == []
+    assert placement.build_report(cfg, setup, cpu_memory=False, lowered_text=text)["problems"] == []
     # one placement too many
-    report = inspect_lib.build_report(cfg, setup, cpu_memory=False, lowered_text=text + EXTRA_PLACEMENT)
+    report = placement.build_report(cfg, setup, cpu_memory=False, lowered_text=text + EXTRA_PLACEMENT)
     assert report["cuda_pinned_host_placements"] == 4
     assert len(report["problems"]) == 1 and "4 pinned_host placements" in report["problems"][0]
     assert "expected 3" in report["problems"][0]
     # the offloads missing from the lowering
-    report = inspect_lib.build_report(cfg, setup, cpu_memory=False,
+    report = placement.build_report(cfg, setup, cpu_memory=False,
                                       lowered_text=text.replace('"pinned_host"', '"device"'))
     assert report["cuda_pinned_host_placements"] == 0
     assert len(report["problems"]) == 1 and "0 pinned_host placements" in report["problems"][0]
@@ -393,7 +393,7 @@ def test_inspect_exits_1_on_a_problem(tmp_path, monkeypatch, capsys):
 
 
 def test_as_requested():
-    ok = inspect_lib._as_requested
+    ok = placement._as_requested
     assert ok(Q, "offload", "offload") and ok(Q, "device", "device") and ok(Q, "remat", "remat")
     assert ok(WO, "offload", "unused") and ok(WO, "device", "unused")
     assert not ok(Q, "offload", "offload+device")  # a host copy that saves no HBM
@@ -437,7 +437,7 @@ def _hand_built():
 def test_cuda_host_placements_of_a_real_export():
     grad, args = _hand_built()
     text = jax.export.export(jax.jit(grad), platforms=["cuda"])(*args).mlir_module()
-    placements = inspect_lib.cuda_host_placements(text)
+    placements = placement.cuda_host_placements(text)
     assert collections.Counter(placements) == collections.Counter([((4, 16), "float32"), ((4, 16), "bfloat16")])
     # a placement to device memory is not a host placement; scalar shapes parse
     extra = ('%5 = stablehlo.custom_call @annotate_device_placement(%4) {has_side_effect = true, '
@@ -445,12 +445,12 @@ def test_cuda_host_placements_of_a_real_export():
              'tensor<4x16xf32>\n'
              '%7 = stablehlo.custom_call @annotate_device_placement(%6) {has_side_effect = true, '
              'mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}} : (tensor<f32>) -> tensor<f32>\n')
-    assert inspect_lib.cuda_host_placements(extra) == [((), "float32")]
+    assert placement.cuda_host_placements(extra) == [((), "float32")]
 
 
 def test_classify_residuals_of_a_hand_built_scan():
     grad, args = _hand_built()
-    found = inspect_lib.classify_residuals(jax.make_jaxpr(grad)(*args))
+    found = placement.classify_residuals(jax.make_jaxpr(grad)(*args))
     assert {name: kind for name, (kind, _) in found["layers_0_2"].items()} == {
         "p": "offload", "b": "offload", "q": "device", "r": "remat", "s": "unused"}
     assert found["layers_0_2"]["b"][1].dtype == jnp.bfloat16

@@ -287,7 +287,7 @@ def test_sweep_writes_its_table_csv_and_chart(tmp_path):
 def test_auto_plan_is_what_inspect_finds_in_the_step(tmp_path):
     """The resolved auto plan, traced: every planned decision is what inspect reads from the step's jaxpr
     (offload / saved in HBM / recomputed), per model group, with no problems reported."""
-    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.offload.placement import activation_groups
     from MaxOffload import from_config
 
     cfg = load([*TINY, "remat.policy=auto", "remat.tensors.mlpwi_0=offload", f"run.output_dir={tmp_path}"])
@@ -353,7 +353,7 @@ def test_under_a_context_axis_the_plan_counts_a_shards_tokens_and_inspect_finds_
     shard) against the same 4 sequences on 2 GPUs without a context axis: every candidate holds a quarter of the
     bytes and of the recompute FLOPs (the attention output's still over all 64 keys), and every planned decision
     is what inspect reads from the context-parallel step."""
-    from MaxOffload.offload.inspect import activation_groups
+    from MaxOffload.offload.placement import activation_groups
 
     common = [*TINY, "remat.policy=auto", "model.attention=flash", f"run.output_dir={tmp_path}"]
     whole = planner.decide(load([*common, "mesh.ici.fsdp=2", "train.per_device_batch_size=2"]), "gb200", "1x1x2",

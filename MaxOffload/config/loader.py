@@ -11,8 +11,8 @@ import re
 
 import ml_collections
 
-from MaxOffload.config.defaults import flat_keys, get_path  # noqa: F401  (the schema's tree walks)
-from MaxOffload.errors import ConfigError, suggest  # noqa: F401  (ConfigError stays importable from here)
+from MaxOffload.config.defaults import flat_keys, get_path
+from MaxOffload.errors import ConfigError, suggest
 
 
 def load_file(spec):

@@ -31,7 +31,7 @@ from MaxOffload.models.attention.dispatch import attention
 from MaxOffload.models.attention.key_source import KeySource
 from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, param
-from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale  # noqa: F401
+from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale
 from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE
 from MaxOffload.offload import names

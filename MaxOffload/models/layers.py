@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxOffload.models import components, matmul
-from MaxOffload.models.rope import apply_rope, rope_inv_freq  # noqa: F401  (re-exported)
 from MaxOffload.offload import names
 from MaxOffload.parallel.layout import NONE
 

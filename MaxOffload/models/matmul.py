@@ -82,7 +82,7 @@ def dense(x, w, spec, part, numerics):
 
 def grouped(rows, w, sizes, capacity, kernel, numerics):
     """The routed experts' matmul: rows [R, k] x w [E, k, n] -> [R, n], row r multiplied by the expert whose group
-    of `sizes` [E] consecutive rows holds it. capacity > 0: every group has R / E rows (models/moe.dispatch's
+    of `sizes` [E] consecutive rows holds it. capacity > 0: every group has R / E rows (models/exchange.dispatch's
     layout), one batched GEMM; dropless: the grouped GEMM `kernel` (models/kernels.grouped_gemm_for)."""
     w = w.astype(numerics.operand_dtype(components.EXPERTS))
     with jax.named_scope(SCOPE):

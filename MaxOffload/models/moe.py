@@ -24,10 +24,8 @@ import jax
 from flax import nnx
 
 from MaxOffload.models import components, exchange as exchange_lib, matmul
-from MaxOffload.models.exchange import capacity_positions, combine, dispatch  # noqa: F401  (re-exported)
+from MaxOffload.models.exchange import capacity_positions
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, SwiGLU, param
-from MaxOffload.models.routing import (RouterBias, group_limited_top_k, route, sequence_balance_loss,  # noqa: F401
-                                       updated_bias)
 from MaxOffload.offload import names
 from MaxOffload.parallel.layout import NONE
 

@@ -14,9 +14,7 @@ import os
 import sys
 
 from MaxOffload.cli import tool
-from MaxOffload.offload.placement import (  # noqa: F401  (the library, re-exported for callers of this module)
-    _as_requested, activation_groups, build_report, bytes_per_device, classify_residuals, cpu_temp_bytes,
-    cuda_host_placements)
+from MaxOffload.offload.placement import build_report
 
 
 def _mb(n):

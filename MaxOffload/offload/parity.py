@@ -13,7 +13,6 @@ import contextlib
 import sys
 
 from MaxOffload.cli import tool
-from MaxOffload.errors import ParityError  # noqa: F401  (raised by the trainer's pre-flight)
 
 
 # Relative tolerances on the loss and on ||g - g_ref|| / ||g_ref||. Recomputing instead of saving reruns

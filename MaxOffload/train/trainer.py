@@ -21,7 +21,7 @@ from MaxOffload.config.loader import describe
 from MaxOffload.errors import ConfigError
 from MaxOffload.train.flops import by_component, train_flops_per_step
 from MaxOffload.train.checkpoint import Checkpointer, load_params
-from MaxOffload.errors import NonFiniteError
+from MaxOffload.errors import NonFiniteError, ParityError
 from MaxOffload.offload import xla_bugs
 from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed
@@ -93,7 +93,7 @@ def verify_parity(setup, batch, say):
     ref_loss, tolerance, rows = parity.compare(setup, batch)
     say(parity.format_rows(ref_loss, tolerance, rows))
     if not all(row[4] for row in rows):
-        raise parity.ParityError("the configured remat/offload policy changes the loss or gradients beyond tolerance; "
+        raise ParityError("the configured remat/offload policy changes the loss or gradients beyond tolerance; "
                           "not training. Try another XLA version or policy, and report it.")
 
 

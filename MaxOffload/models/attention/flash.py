@@ -6,6 +6,7 @@ models/attention/all_gather.py). Which kernel runs where: models/kernels.attenti
 import jax.numpy as jnp
 
 from MaxOffload.models import kernels
+from MaxOffload.models.attention import tokamax_adapter
 
 
 def flash_attention(q, k, v, scale, kernel, q_sharding=None):
@@ -17,22 +18,18 @@ def flash_attention(q, k, v, scale, kernel, q_sharding=None):
                                                           implementation=kernels.implementation(kernel))
 
 
-def _piece_op(kernel):
-    """tokamax's attention op for attention computed in pieces (flash_attention_piece): its Triton kernels on GPUs;
+def _piece_implementation(kernel):
+    """tokamax's implementation for attention computed in pieces (flash_attention_piece): its Triton kernels on GPUs;
     elsewhere its XLA implementation (the chunked one returns no log-sum-exp)."""
-    kernels.import_tokamax()
-    from tokamax._src.ops.attention import api  # the ops by implementation: the public call hides the residuals
-
     name = kernels.implementation(kernel)
-    return api.IMPLEMENTATIONS[name if name == "triton" else "xla"]
+    return name if name == "triton" else "xla"
 
 
 def flash_attention_piece(q, k, v, scale, kernel, causal):
     """Attention of q [b, l, heads, d] to one piece of its keys, k, v [b, s, kv_heads, .]: `causal` (aligned: the
     queries and keys are the same positions) or to all of them. Returns (the output normalized
     within the piece, its log-sum-exp [b, heads, l] in float32), which combine across pieces."""
-    out, (m, l) = _piece_op(kernel)(q, k, v, logits_scale=scale, is_causal=causal, return_residuals=True)
-    return out, (0.0 if m is None else m) + jnp.log(l)
+    return tokamax_adapter.forward(_piece_implementation(kernel), q, k, v, scale, causal)
 
 
 def flash_attention_piece_vjp(q, k, v, scale, kernel, causal, lse, out, dout):
@@ -40,12 +37,9 @@ def flash_attention_piece_vjp(q, k, v, scale, kernel, causal, lse, out, dout):
     output, its cotangent and its log-sum-exp: the piece's probabilities are then exp(scores - lse), the whole
     attention's, and the pieces' gradients sum to the whole's. tokamax's VJP kernel on GPUs (its residuals are
     (max, sum): (lse, 1) says the same); elsewhere the same formulas in XLA."""
-    op = _piece_op(kernel)
-    if op.vjp is not None:
-        bound = op.bind(q, k, v, logits_scale=scale, is_causal=causal)
-        kwargs = {name: value for name, value in bound.kwargs.items() if name != "return_residuals"}
-        grads = op.vjp((lse, jnp.ones_like(lse)), out, dout, *bound.args, **kwargs)
-        return (grads["q"], grads["k"], grads["v"]) if isinstance(grads, dict) else tuple(grads[:3])
+    grads = tokamax_adapter.vjp(_piece_implementation(kernel), q, k, v, scale, causal, lse, out, dout)
+    if grads is not None:
+        return grads
     f32 = jnp.float32
     group = q.shape[2] // k.shape[2]
     k_all, v_all = (jnp.repeat(a, group, axis=2).astype(f32) for a in (k, v))
