@@ -34,8 +34,9 @@ setup(
     # The test extra holds every package a test imports (tests/test_install.py checks it): the tokenizers
     # (tests prepare corpora with each kind), the CUDA plugin (tests compile for GB200), libtpu (tests compile for
     # v5e), matplotlib (a test
-    # runs the sweep benchmark, which draws its chart), the reference implementation (transformers, on Python 3.11)
-    # and pytest-xdist (the suite runs on both cores).
+    # runs the sweep benchmark, which draws its chart), the reference implementation (transformers, on Python 3.11),
+    # pytest-xdist (the suite runs on both cores) and packaging (a test reads requirements.txt's tokamax pins).
     extras_require={"data": DATA, "aot": AOT, "tpu": TPU, "bench": BENCH,
-                    "test": ["pytest>=8", "pytest-xdist>=3", *DATA, *AOT, *TPU, *BENCH, *REFERENCE]},
+                    "test": ["pytest>=8", "pytest-xdist>=3", "packaging>=22", *DATA, *AOT, *TPU, *BENCH,
+                             *REFERENCE]},
 )
