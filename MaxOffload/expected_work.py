@@ -50,8 +50,7 @@ def config_multiples(config, layout=None):
     backward pass: the output head at 4 / 3."""
     factor = getattr(config, "capacity_factor", 0) or getattr(config, "moe_buffer_factor", 0)
     multiples = {components.EXPERTS: factor} if factor else {}
-    shards = layout.ways("vocab") if layout is not None else 1
-    if cross_entropy.tiles_for(config.vocab_size, config.vocab_tiles, shards) > 1:
+    if cross_entropy.tiles_under(config, layout or NONE)[0] > 1:
         multiples[components.UNEMBED] = 4 / 3
     gathered = config.context_gathered_params() if hasattr(config, "context_gathered_params") else 0
     if layout is not None and layout.gathers_context and gathered:

@@ -60,7 +60,8 @@ def strategy_step(strategy, shape, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from MaxOffload.models import deepseek, kernels, matmul
+    from MaxOffload.models import deepseek, kernels
+    from MaxOffload.models.model_context import ModelContext
     from MaxOffload.models.attention.all_gather import context_flash_attention
     from MaxOffload.models.attention.flash import flash_attention
     from MaxOffload.models.attention.key_source import KeySource
@@ -77,7 +78,7 @@ def strategy_step(strategy, shape, mesh):
         weights = [(rank, heads, qk - rope), (rank, heads, dv)]
 
         def attend(q, latent, k_rope, wk_b, wv_b):
-            source = deepseek.latent_key_source(matmul.Numerics(), latent, k_rope, (wk_b, wv_b),
+            source = deepseek.latent_key_source(ModelContext(layout), latent, k_rope, (wk_b, wv_b),
                                                 (("kv_lora", "heads", "head_dim"),) * 2)
             return context_flash_attention(q, source, scale, kernel, layout)
     else:

@@ -35,7 +35,8 @@ def layer(exchange, mesh, kernel):
     import jax
     import jax.numpy as jnp
 
-    from MaxOffload.models import matmul, moe
+    from MaxOffload.models import moe
+    from MaxOffload.models.model_context import ModelContext
     from MaxOffload.parallel import logical
     from MaxOffload.parallel.layout import ParallelLayout
 
@@ -43,8 +44,7 @@ def layer(exchange, mesh, kernel):
     layout = ParallelLayout.of(mesh, rules, exchange)
 
     def loss(x, experts, gates, wi_0, wi_1, wo):
-        out, _ = moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, 0, layout, kernel, BUFFER,
-                                    matmul.Numerics())
+        out, _ = moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, 0, ModelContext(layout), kernel, BUFFER)
         return jnp.sum(jnp.square(out)) / 2
 
     return jax.value_and_grad(loss, argnums=(0, 3, 4, 5)), layout

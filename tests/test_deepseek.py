@@ -22,6 +22,7 @@ from MaxOffload import from_config
 from MaxOffload import models
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek, exchange, kernels, matmul, moe, routing
+from MaxOffload.models.model_context import ModelContext
 from MaxOffload.models.rope import yarn_inv_freq
 from MaxOffload.train.flops import train_flops_per_step
 
@@ -213,6 +214,14 @@ def ref_rope(x, positions, inv_freq):
     angles = positions[:, :, None, None] * inv_freq[None, None, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
+F32 = ModelContext(numerics=matmul.Numerics("float32"))  # layers built for one device, computing in float32
+
+
+def router_logits(x, w):
+    """The routing logits x @ w [b, l, E] in float32, as the MoE layer makes them for its router."""
+    return jnp.einsum("ble,en->bln", jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+
+
 
 
 def ref_rms_norm(x, scale, eps):
@@ -280,8 +289,8 @@ def test_mla_matches_naive_reference():
     inv_freq = yarn_inv_freq(rope, 10000.0, 4.0, 4, 32.0, 1.0)
     mla = deepseek.MLA(emb_dim=d, num_heads=h, q_lora_rank=ql, kv_lora_rank=kl, qk_nope_head_dim=nope,
                        qk_rope_head_dim=rope, v_head_dim=vd, inv_freq=inv_freq, rope_amplitude=1.3,
-                       softmax_scale=0.37, norm_eps=1e-6, param_dtype=jnp.float32, numerics=matmul.Numerics("float32"),
-                       init_std=0.3, rngs=nnx.Rngs(params=1), attention="xla")
+                       softmax_scale=0.37, norm_eps=1e-6, param_dtype=jnp.float32, ctx=F32, init_std=0.3,
+                       rngs=nnx.Rngs(params=1), attention="xla")
     mla.q_norm.scale[...] = jnp.asarray(rand(rng, ql)) + 1
     mla.kv_norm.scale[...] = jnp.asarray(rand(rng, kl)) + 1
     x = rand(rng, b, l, d)
@@ -335,8 +344,8 @@ def test_router_sigmoid_scores_bias_selects_gates_unbiased():
     x, w = rand(rng, 2, 5, 16), rand(rng, 16, 8, scale=0.5)
     bias = np.zeros(8, np.float32)
     bias[6] = 10.0  # expert 6 wins every selection, whatever its score
-    experts, gates, scores = routing.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), top_k=3, n_groups=1,
-                                       topk_groups=1, scaling=2.5)
+    experts, gates, scores = routing.route(router_logits(x, w), jnp.asarray(bias), top_k=3, n_groups=1,
+                                           topk_groups=1, scaling=2.5)
     ref_scores = sigmoid(x.astype(np.float64) @ w)
     np.testing.assert_allclose(np.asarray(scores), ref_scores, rtol=1e-5)
     experts, gates = np.asarray(experts), np.asarray(gates)
@@ -347,8 +356,8 @@ def test_router_sigmoid_scores_bias_selects_gates_unbiased():
         # gates: the chosen experts' unbiased scores, normalised, x routed_scaling_factor
         np.testing.assert_allclose(gates[b, t], s[experts[b, t]] / s[experts[b, t]].sum() * 2.5, rtol=1e-5)
     # the bias never receives a gradient: it only selects
-    grad = jax.grad(lambda bias: routing.route(jnp.asarray(x), jnp.asarray(w), bias, top_k=3, n_groups=1, topk_groups=1,
-                                           scaling=2.5)[1].sum())(jnp.asarray(bias))
+    grad = jax.grad(lambda bias: routing.route(router_logits(x, w), bias, top_k=3, n_groups=1, topk_groups=1,
+                                               scaling=2.5)[1].sum())(jnp.asarray(bias))
     assert float(jnp.abs(grad).max()) == 0.0
 
 
@@ -374,8 +383,7 @@ def test_sequence_balance_loss_by_hand():
 def make_moe(rng_seed=0, capacity_factor=0.0, num_shared=1, **kw):
     args = dict(emb_dim=16, num_experts=6, mlp_dim=12, num_shared=num_shared,
                 router=routing.DeepSeekRouter(top_k=2, n_groups=1, topk_groups=1, scaling=2.5),
-                capacity_factor=capacity_factor, param_dtype=jnp.float32, numerics=matmul.Numerics("float32"),
-                init_std=0.3)
+                capacity_factor=capacity_factor, param_dtype=jnp.float32, ctx=F32, init_std=0.3)
     if "kernel" in kw:
         kw["kernel"] = kernels.grouped_gemm_for(kw["kernel"], "cpu")
     args.update(kw)
@@ -447,8 +455,8 @@ def test_dropless_buffer_keeps_the_first_rows_in_expert_order_and_counts_the_res
     layer = make_moe(buffer_factor=0.5)
     x = rand(np.random.default_rng(9), 3, 5, 16)
     out, stats = jax.jit(lambda x: layer(x))(jnp.asarray(x))
-    experts, _, _ = routing.route(jnp.asarray(x), layer.router[...], layer.router_bias[...], top_k=2, n_groups=1,
-                              topk_groups=1, scaling=2.5)
+    experts, _, _ = routing.route(router_logits(x, layer.router[...]), layer.router_bias[...], top_k=2, n_groups=1,
+                                  topk_groups=1, scaling=2.5)
     rank = np.argsort(np.argsort(np.asarray(experts).reshape(-1), kind="stable"), kind="stable").reshape(3, 5, 2)
     np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x, lambda b, t, c, e: rank[b, t, c] < 15),
                                rtol=1e-4, atol=1e-5)
@@ -462,8 +470,8 @@ def test_dropless_gradients_match_dense_reference():
     """Gradients through sort + ragged_dot == gradients of every expert on every token, masked by the routing."""
     layer = make_moe(num_shared=0)
     x = jnp.asarray(rand(np.random.default_rng(3), 2, 4, 16))
-    experts, gates, _ = routing.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
-                                  scaling=2.5)
+    experts, gates, _ = routing.route(router_logits(x, layer.router[...]), layer.router_bias[...], top_k=2,
+                                      n_groups=1, topk_groups=1, scaling=2.5)
 
     def dense(x, gates, wi_0, wi_1, wo):
         h = jax.nn.silu(jnp.einsum("bld,edm->blem", x, wi_0)) * jnp.einsum("bld,edm->blem", x, wi_1)
@@ -472,8 +480,7 @@ def test_dropless_gradients_match_dense_reference():
         return jnp.einsum("bled,ble->bld", y, weight)
 
     def sparse(x, gates, wi_0, wi_1, wo):
-        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0,
-                                  numerics=matmul.Numerics("float32"))[0]
+        return moe.routed_experts(x, experts, gates, None, wi_0, wi_1, wo, capacity=0, ctx=F32)[0]
 
     target = jnp.asarray(rand(np.random.default_rng(4), 2, 4, 16))
     args = (x, gates, layer.wi_0[...], layer.wi_1[...], layer.wo[...])
@@ -495,7 +502,7 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     positions = exchange.capacity_positions(jnp.asarray(experts), e)
     got, counted = moe.routed_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(gates), positions,
                                       jnp.asarray(wi_0), jnp.asarray(wi_1), jnp.asarray(wo), capacity=capacity,
-                                      numerics=matmul.Numerics("float32"))
+                                      ctx=F32)
     got = np.asarray(got)
     ref, dropped = np.zeros((b, l, d)), []
     for bi in range(b):
@@ -538,8 +545,8 @@ def test_capacity_mode_statistics_count_dropped_choices():
     layer = make_moe(capacity_factor=0.5)  # capacity = ceil(0.5 * 10 * 2 / 6) = 2 per expert and sequence
     x = jnp.asarray(rand(np.random.default_rng(7), 3, 10, 16))
     _, stats = layer(x)
-    experts, _, _ = routing.route(x, layer.router[...], layer.router_bias[...], top_k=2, n_groups=1, topk_groups=1,
-                              scaling=2.5)
+    experts, _, _ = routing.route(router_logits(x, layer.router[...]), layer.router_bias[...], top_k=2, n_groups=1,
+                                  topk_groups=1, scaling=2.5)
     counts = np.stack([np.bincount(np.asarray(experts[b]).ravel(), minlength=6) for b in range(3)])
     assert float(stats["dropped"]) == np.maximum(counts - 2, 0).sum() > 0
     np.testing.assert_array_equal(np.asarray(stats["load"]), counts.sum(0))

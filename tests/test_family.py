@@ -20,7 +20,7 @@ from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, load
 from MaxOffload.errors import require, require_choice
 from MaxOffload.models.base import ModelConfig, field
-from MaxOffload.models import components, matmul
+from MaxOffload.models import components
 from MaxOffload.models.attention.gqa import Attention
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, param
 from MaxOffload.models.rope import rope_inv_freq
@@ -75,14 +75,13 @@ class LayerNorm(nnx.Module):
 
 
 class ToyLayer(nnx.Module):
-    def __init__(self, c, *, rngs, layout, numerics):
+    def __init__(self, c, *, rngs, ctx):
         pdt = jnp.dtype(c.param_dtype)
-        self.activation, self.layout, self.numerics = c.mlp_activation, layout, numerics
+        self.activation, self.ctx = c.mlp_activation, ctx
         self.attention_norm = LayerNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, inv_freq=rope_inv_freq(c.head_dim, c.rope_theta),
-                                   param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs,
-                                   attention=c.attention, layout=layout)
+                                   param_dtype=pdt, init_std=c.init_std, rngs=rngs, attention=c.attention, ctx=ctx)
         self.mlp_norm = LayerNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.wi = param(rngs, (c.emb_dim, c.mlp_dim), ("embed", "mlp"), pdt, c.init_std)
         self.wo = param(rngs, (c.mlp_dim, c.emb_dim), ("mlp", "embed"), pdt, c.init_std)
@@ -90,16 +89,16 @@ class ToyLayer(nnx.Module):
     def __call__(self, x, positions):
         x = names.tag(x, names.DECODER_LAYER_INPUT)
         x = x + self.attention(self.attention_norm(x), positions)
-        mlp = lambda a, w: matmul.dense(a, w[...], None, components.MLP, self.numerics)  # noqa: E731
+        mlp = lambda a, w: self.ctx.dense(a, w[...], None, components.MLP)  # noqa: E731
         hidden = names.tag(mlp(self.mlp_norm(x), self.wi), names.MLPWI)
         out = mlp(ACTIVATIONS[self.activation](hidden), self.wo)
-        return x + names.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
+        return x + names.tag(self.ctx.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
 
 
 class Toy(SingleStackDecoder):
     @staticmethod
-    def make_layer(c, rngs, layout, numerics):
-        return ToyLayer(c, rngs=rngs, layout=layout, numerics=numerics)
+    def make_layer(c, rngs, ctx):
+        return ToyLayer(c, rngs=rngs, ctx=ctx)
 
 
 @pytest.fixture

@@ -5,9 +5,10 @@ A family is
     shares, or at least from models/base.FromConfig): its own fields, `validate()` (the family's own checks,
     one ConfigError line each), `layer_groups()` (its separately scanned stacks) and the planner's cost
     table (`contractions`, `matmul_params_per_token`, `attention_dims`);
-  - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, layout=, numerics=):
-    the parallel layout (parallel/layout.py: mesh, rules, expert exchange) and the weight matmuls' numerics
-    (models/matmul.Numerics) are handed to it, never read from anywhere else;
+  - an nnx model class, built as model_class(config, remat_segments=, params_on_host=, rngs=, ctx=): ctx, the
+    models/model_context.ModelContext, hands it the parallel layout (parallel/layout.py: mesh, rules, expert
+    exchange) and the weight matmuls' numerics (models/matmul.Numerics) as one value, which it hands to each of
+    its layers; neither is read from anywhere else;
   - `fields`: its own `model` section keys {key: (default, meaning)}: by default its dataclass's own fields
     (models/base.field carries each one's default and meaning), joined to the config schema by `register`;
   - `hf`: its weights in the Hugging Face layout (models/hf.HFFormat), which MaxOffload/convert reads and
@@ -107,11 +108,11 @@ def by_architecture(architecture):
 def build(config, plan, rngs, layout=None, numerics=None):
     """The model for a model configuration under an OffloadPlan (MaxOffload/from_config.py makes both), built for a
     parallel layout (parallel/layout.ParallelLayout; None: no mesh, every placement a no-op) and a numerics
-    policy (models/matmul.Numerics; None: bf16 in the configured compute dtype)."""
-    from MaxOffload.parallel.layout import NONE
+    policy (models/matmul.Numerics; None: bf16 in the configured compute dtype): its ModelContext."""
+    from MaxOffload.models.model_context import ModelContext
 
     return family_of(config).model_class(config, remat_segments=plan.by_stack(), params_on_host=plan.params_on_host,
-                                         rngs=rngs, layout=layout or NONE, numerics=numerics)
+                                         rngs=rngs, ctx=ModelContext.of(config, layout, numerics))
 
 
 @functools.lru_cache(maxsize=None)

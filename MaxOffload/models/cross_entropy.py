@@ -43,6 +43,13 @@ def tiles_for(vocab_size, tiles=0, shards=1):
     return (aligned or small or divisors)[0 if aligned or small else -1]
 
 
+def tiles_under(config, layout):
+    """(tiles, shards) of a model configuration's loss under a parallel layout: its vocabulary's shards
+    (`layout.ways("vocab")`) and its model.vocab_tiles resolved for them (tiles_for)."""
+    shards = layout.ways("vocab")
+    return tiles_for(config.vocab_size, config.vocab_tiles, shards), shards
+
+
 def tiled(x, head, targets, mask, tiles, logits_of, shards=1):
     """masked(logits_of(x, head), targets, mask) without the whole logits: x [batch, length, emb] the normalised
     hidden states, head [emb, vocab] the output head, its vocabulary split in `shards` equal blocks over devices,

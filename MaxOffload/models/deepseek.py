@@ -26,16 +26,16 @@ import numpy as np
 from flax import nnx
 
 from MaxOffload.errors import require, require_choice
-from MaxOffload.models import components, kernels, matmul, routing
+from MaxOffload.models import components, kernels, routing
 from MaxOffload.models.attention.dispatch import attention
 from MaxOffload.models.attention.key_source import KeySource
 from MaxOffload.models.base import ModelConfig, field
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, SwiGLU, param
+from MaxOffload.models.model_context import DEFAULT, ModelContext
 from MaxOffload.models.rope import apply_rope, base_inv_freq, yarn_inv_freq, yarn_mscale
 from MaxOffload.models.stack import DecoderModel, run_layers, stacked_layers
 from MaxOffload.models.moe import MoE
 from MaxOffload.offload import names
-from MaxOffload.parallel.layout import NONE
 
 
 MLA_CONTEXT_GATHER = ("latent", "kv")
@@ -249,7 +249,7 @@ LATENT_AXES = ("activation_batch", "activation_length", None)
 
 
 @components.scoped(components.PROJECTIONS)  # also where a context shard's attention loop makes them
-def mla_keys(numerics, sources, weights, tag=False):
+def mla_keys(ctx, sources, weights, tag=False):
     """MLA's keys and values from the kv latent [b, l, r] and the RoPE key [b, l, 1, rope] (`sources`) and the
     up-projections wk_b, wv_b (`weights`): k = [latent wk_b, the RoPE key for every head], v = latent wv_b. `tag`:
     name them key_proj / value_proj for the remat policies (the whole layer's; not when a context shard makes them
@@ -257,19 +257,19 @@ def mla_keys(numerics, sources, weights, tag=False):
     under mxfp8, per-tensor FP8 (jax's MXFP8 VJP drops the manual axes of its gradients, as for the capacity
     experts: models/matmul.grouped)."""
     (latent, k_rope), (wk_b, wv_b) = sources, weights
-    if not tag and numerics.mode == "mxfp8":
-        numerics = dataclasses.replace(numerics, mode="fp8")
-    k_nope, v = (matmul.dense(latent, w, "blr,rhd->blhd", components.PROJECTIONS, numerics) for w in (wk_b, wv_b))
+    if not tag and ctx.numerics.mode == "mxfp8":
+        ctx = ctx.with_numerics(mode="fp8")
+    k_nope, v = (ctx.dense(latent, w, "blr,rhd->blhd", components.PROJECTIONS) for w in (wk_b, wv_b))
     if tag:
-        k_nope, v = numerics.tag(k_nope, names.KEY_PROJ), numerics.tag(v, names.VALUE_PROJ)
+        k_nope, v = ctx.tag(k_nope, names.KEY_PROJ), ctx.tag(v, names.VALUE_PROJ)
     return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1), v
 
 
-def latent_key_source(numerics, kv_latent, k_rope, weights, weight_axes):
+def latent_key_source(ctx, kv_latent, k_rope, weights, weight_axes):
     """The KeySource (models/attention/key_source.py) of a context shard gathering MLA's latent and RoPE key: keys
     and values made from them by mla_keys with the up-projections `weights` (wk_b, wv_b; their logical
     `weight_axes`)."""
-    return KeySource((kv_latent, k_rope), (LATENT_AXES, LATENT_AXES + (None,)), functools.partial(mla_keys, numerics),
+    return KeySource((kv_latent, k_rope), (LATENT_AXES, LATENT_AXES + (None,)), functools.partial(mla_keys, ctx),
                      tuple(weights), tuple(weight_axes))
 
 
@@ -278,12 +278,12 @@ class MLA(nnx.Module):
     plus a RoPE key part (qk_rope_head_dim) also shared by all heads (decoupled RoPE)."""
 
     def __init__(self, *, emb_dim, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-                 v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, numerics,
-                 init_std, rngs, attention, layout=NONE, context_gather="latent"):
+                 v_head_dim, inv_freq, rope_amplitude, softmax_scale, norm_eps, param_dtype, init_std, rngs,
+                 attention, ctx=DEFAULT, context_gather="latent"):
         """attention: the kernel, chosen for the platform (models/kernels.attention_for)."""
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: hashable in the graph definition
-        self.rope_amplitude, self.softmax_scale, self.numerics = rope_amplitude, softmax_scale, numerics
-        self.layout, self.context_gather = layout, context_gather
+        self.rope_amplitude, self.softmax_scale = rope_amplitude, softmax_scale
+        self.ctx, self.context_gather = ctx, context_gather
         self.attention_choice = attention
         self.nope, self.kv_lora_rank = qk_nope_head_dim, kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
@@ -306,29 +306,28 @@ class MLA(nnx.Module):
 
     @components.scoped(components.PROJECTIONS)
     def __call__(self, x, positions):
-        nope = self.nope
-        project = lambda spec, a, w: matmul.dense(a, matmul.weight(w, self.numerics, self.layout), spec,  # noqa: E731
-                                                  components.PROJECTIONS, self.numerics)
-        q_latent = self.numerics.tag(project(None, x, self.wq_a), names.QUERY_WA_PROJ)
-        q_latent = self.numerics.tag(self.q_norm(q_latent), names.MLA_Q)
-        q = self.numerics.tag(project("blr,rhd->blhd", q_latent, self.wq_b), names.QUERY_PROJ)
-        kv = self.numerics.tag(project(None, x, self.wkv_a), names.KV_WA_PROJ)
-        kv_latent = self.numerics.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
+        nope, ctx = self.nope, self.ctx
+        project = lambda a, w, spec: ctx.project(a, w, spec, components.PROJECTIONS)  # noqa: E731
+        q_latent = ctx.tag(project(x, self.wq_a, None), names.QUERY_WA_PROJ)
+        q_latent = ctx.tag(self.q_norm(q_latent), names.MLA_Q)
+        q = ctx.tag(project(q_latent, self.wq_b, "blr,rhd->blhd"), names.QUERY_PROJ)
+        kv = ctx.tag(project(x, self.wkv_a, None), names.KV_WA_PROJ)
+        kv_latent = ctx.tag(self.kv_norm(kv[..., :self.kv_lora_rank]), names.MLA_KV)
         k_rope = self._rope(kv[:, :, None, self.kv_lora_rank:], positions)  # one rope key for all heads
         q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], positions)], axis=-1)
-        if self.layout.gathers_context and self.context_gather == "latent":
+        if ctx.layout.gathers_context and self.context_gather == "latent":
             weights = (self.wk_b, self.wv_b)
-            source = latent_key_source(self.numerics, kv_latent, k_rope, (w[...] for w in weights),
+            source = latent_key_source(ctx, kv_latent, k_rope, (w[...] for w in weights),
                                        (tuple(w.out_sharding) for w in weights))
             k = v = None
         else:
-            k, v = mla_keys(self.numerics, (kv_latent, k_rope),
-                            tuple(matmul.weight(w, self.numerics, self.layout) for w in (self.wk_b, self.wv_b)), True)
+            k, v = mla_keys(ctx, (kv_latent, k_rope),
+                            tuple(ctx.weight(w) for w in (self.wk_b, self.wv_b)), True)
             source = None
-        out = self.numerics.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, self.layout,
-                                          positions, source), names.ATTENTION_OUT)
-        out = project("blhd,hde->ble", out, self.wo)
-        return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
+        out = ctx.tag(attention(q, k, v, self.softmax_scale, self.attention_choice, ctx.layout, positions, source),
+                      names.ATTENTION_OUT)
+        out = project(out, self.wo, "blhd,hde->ble")
+        return ctx.tag(ctx.constrain(out, BATCH_LENGTH_EMBED), names.OUT_PROJ)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,11 +337,11 @@ class MLA(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm MLA + (SwiGLU | MoE). An MoE layer returns (x, MoE statistics)."""
 
-    def __init__(self, c: DeepSeekConfig, *, moe, rngs, layout=NONE, numerics=None):
+    def __init__(self, c: DeepSeekConfig, *, moe, rngs, ctx=None):
         pdt = jnp.dtype(c.param_dtype)
         inv_freq, amplitude, softmax_scale = rope_setup(c)
-        numerics = self.numerics = numerics or matmul.Numerics(c.compute_dtype)
-        common = dict(param_dtype=pdt, numerics=numerics, init_std=c.init_std, rngs=rngs, layout=layout)
+        self.ctx = ctx = ctx or ModelContext.of(c)
+        common = dict(param_dtype=pdt, init_std=c.init_std, rngs=rngs, ctx=ctx)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = MLA(emb_dim=c.emb_dim, num_heads=c.num_heads, q_lora_rank=c.q_lora_rank,
                              kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
@@ -359,7 +358,7 @@ class DecoderLayer(nnx.Module):
             self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, **common)
 
     def __call__(self, x, positions):
-        x = self.numerics.tag(x, names.DECODER_LAYER_INPUT)
+        x = self.ctx.tag(x, names.DECODER_LAYER_INPUT)
         x = x + self.attention(self.attention_norm(x), positions)
         if isinstance(self.mlp, MoE):
             out, stats = self.mlp(self.mlp_norm(x))
@@ -373,22 +372,21 @@ class MTPLayer(nnx.Module):
     block and its own norm before the shared output head (Hugging Face: enorm, hnorm, eh_proj, the block,
     shared_head.norm). Returns (the normalised hidden state, {"hidden": the same, MoE statistics})."""
 
-    def __init__(self, c: DeepSeekConfig, *, rngs, layout=NONE, numerics=None):
+    def __init__(self, c: DeepSeekConfig, *, rngs, ctx=None):
         pdt = jnp.dtype(c.param_dtype)
-        self.numerics, self.layout = numerics or matmul.Numerics(c.compute_dtype), layout
+        self.ctx = ctx = ctx or ModelContext.of(c)
         self.enorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.hnorm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         # [embedding; hidden] -> emb_dim (a mesh axis shards only the first of the two "embed" axes)
         self.eh_proj = param(rngs, (2 * c.emb_dim, c.emb_dim), ("embed", "embed"), pdt, c.init_std)
-        self.block = DecoderLayer(c, moe=c.mtp_moe, rngs=rngs, layout=layout, numerics=numerics)
+        self.block = DecoderLayer(c, moe=c.mtp_moe, rngs=rngs, ctx=ctx)
         self.head_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
 
     def __call__(self, h, positions, next_embeds):
         with jax.named_scope(components.PROJECTIONS):
             joined = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h)], axis=-1)
-            x = matmul.dense(joined, matmul.weight(self.eh_proj, self.numerics, self.layout), None,
-                             components.PROJECTIONS, self.numerics)
-            x = self.layout.constrain(x, BATCH_LENGTH_EMBED)
+            x = self.ctx.constrain(self.ctx.project(joined, self.eh_proj, None, components.PROJECTIONS),
+                                   BATCH_LENGTH_EMBED)
         out = self.block(x, positions)
         x, stats = out if isinstance(out, tuple) else (out, {})
         normed = self.head_norm(x)
@@ -412,14 +410,13 @@ def mtp_cross_entropy(cross_entropy, mtp_hidden, targets, mask, laid_out=lambda 
 
 
 class DeepSeek(DecoderModel):
-    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, layout=NONE, numerics=None):
-        """layout: the parallel/layout.ParallelLayout the model is built for; numerics: its weight matmuls' policy
-        (models/matmul.Numerics; default: bf16 in the configured compute dtype)."""
+    def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, ctx=None):
+        """ctx: the models/model_context.ModelContext the model is built with (DecoderModel.init_embeddings)."""
         self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())
         self.mtp_segments = remat_segments.get("mtp", ())
-        self.init_embeddings(c, params_on_host, rngs, layout, numerics)
+        self.init_embeddings(c, params_on_host, rngs, ctx)
         self.router_kind = routing.ROUTERS[c.router].of(c)
-        kind = dict(layout=layout, numerics=self.numerics)
+        kind = dict(ctx=self.ctx)
         if c.first_k_dense:
             self.dense_layers = stacked_layers(lambda r: DecoderLayer(c, moe=False, rngs=r, **kind), c.first_k_dense,
                                                rngs)
@@ -459,8 +456,8 @@ class DeepSeek(DecoderModel):
         if c.mtp_depth:
             ahead = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, c.mtp_depth + 1)])
             ahead = self.in_layout_order(ahead)  # the tokens k ahead in sequence order, laid out as x is
-            next_embeds = self.layout.constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype),
-                                                (None, *BATCH_LENGTH_EMBED))
+            next_embeds = self.ctx.constrain(jnp.take(embed, ahead, axis=0).astype(x.dtype),
+                                             (None, *BATCH_LENGTH_EMBED))
             _, mtp = run_layers(self.mtp_layers, normed, positions, self.mtp_segments, c.scan_layers, host,
                                 with_outputs=True, per_layer=next_embeds)
             aux["mtp_hidden"] = mtp.pop("hidden")

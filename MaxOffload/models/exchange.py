@@ -99,9 +99,10 @@ def _spec(*dims):
 
 
 class Exchange:
-    """The interface (module docstring). `kernel`: the grouped GEMM of dropless mode (models/kernels.grouped_gemm_for);
-    `buffer_factor`: dropless rows per device = this x a balanced step's (0: the worst case); `numerics`: the
-    matmuls' policy (models/matmul.Numerics)."""
+    """The interface (module docstring). `ctx`: the models/model_context.ModelContext of the MoE layer (its parallel
+    layout, `self.layout`, and the matmuls' numerics); `kernel`: the grouped GEMM of dropless mode
+    (models/kernels.grouped_gemm_for); `buffer_factor`: dropless rows per device = this x a balanced step's (0: the
+    worst case)."""
 
     transport = None  # how the token all-to-all exchanges move rows (AllToAllExchange); None: no all-to-all
 
@@ -113,10 +114,9 @@ class Exchange:
             return "padded" if platform == "cpu" else "ragged"
         return cls.transport
 
-    def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
-        self.layout, self.num_experts, self.capacity = layout, num_experts, capacity
+    def __init__(self, ctx, num_experts, capacity, kernel="xla", buffer_factor=0.0):
+        self.ctx, self.layout, self.num_experts, self.capacity = ctx, ctx.layout, num_experts, capacity
         self.kernel, self.buffer_factor = kernel, buffer_factor
-        self.numerics = numerics or matmul.Numerics()
 
     def dispatch(self, x, experts, positions):
         raise NotImplementedError
@@ -135,8 +135,9 @@ class AllGatherExchange(Exchange):
     """Tokens all-gathered over the expert axes, each device running its own experts on the rows routed to them, the
     combined outputs reduce-scattered back (module docstring); without a mesh, everything local."""
 
-    def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
-        super().__init__(layout, num_experts, capacity, kernel, buffer_factor, numerics)
+    def __init__(self, ctx, num_experts, capacity, kernel="xla", buffer_factor=0.0):
+        super().__init__(ctx, num_experts, capacity, kernel, buffer_factor)
+        layout = self.layout
         self.mesh = layout.mesh
         if layout.mesh is None:  # every expert local; the specs are not used
             self.ep = self.mlp = self.rows = ()
@@ -180,7 +181,7 @@ class AllGatherExchange(Exchange):
     def matmul_in(self, rows, w, sizes):
         """rows [R, emb] x w [E, emb, mlp] -> [R, mlp]."""
         def local(rows, w, sizes):
-            return matmul.grouped(rows, w, sizes, self.capacity, self.kernel, self.numerics)
+            return self.ctx.grouped(rows, w, sizes, self.capacity, self.kernel)
 
         return self._run(local, (_spec(self.rows, ()), _spec(self.ep, (), self.mlp), _spec(self.rows)),
                          _spec(self.rows, self.mlp), rows, w, sizes, kernel=True)
@@ -188,7 +189,7 @@ class AllGatherExchange(Exchange):
     def matmul_out(self, h, w, sizes):
         """h [R, mlp] x w [E, mlp, emb] -> [R, emb], summed over the mlp shards."""
         def local(h, w, sizes):
-            out = matmul.grouped(h, w, sizes, self.capacity, self.kernel, self.numerics)
+            out = self.ctx.grouped(h, w, sizes, self.capacity, self.kernel)
             return jax.lax.psum(out, self.mlp) if self.mlp else out
 
         return self._run(local, (_spec(self.rows, self.mlp), _spec(self.ep, self.mlp, ()), _spec(self.rows)),
@@ -267,11 +268,11 @@ class AllToAllExchange(AllGatherExchange):
 
     transport = "auto"  # ragged on GPUs and TPUs, padded on CPUs
 
-    def __init__(self, layout, num_experts, capacity, kernel="xla", buffer_factor=0.0, numerics=None):
-        super().__init__(layout, num_experts, capacity, kernel, buffer_factor, numerics)
+    def __init__(self, ctx, num_experts, capacity, kernel="xla", buffer_factor=0.0):
+        super().__init__(ctx, num_experts, capacity, kernel, buffer_factor)
         if capacity:
             raise ValueError("mesh.exchange=all_to_all is dropless: model.capacity_factor must be 0")
-        self.ranks = logical.ways(layout.mesh, self.ep) if self.mesh is not None and self.gather else 1
+        self.ranks = logical.ways(self.mesh, self.ep) if self.mesh is not None and self.gather else 1
         self.on = "cpu" if self.mesh is None else kernels.platform(self.mesh.devices.flat[0])
         self.transport = self.transport_on(self.on)
 

@@ -2,16 +2,17 @@
 Layers take explicit arguments, never a config.
 
 Parameters carry logical axis names (`embed`, `heads`, `mlp`, ...); the parallel layout a layer is built with
-(parallel/layout.py) maps them to mesh axes. Every weight matmul goes through models/matmul.py. Activations that a
+(parallel/layout.py) maps them to mesh axes. A layer receives its models/model_context.ModelContext (the layout
+and the numerics) once, as `ctx`, and every weight matmul goes through it to models/matmul.py. Activations that a
 remat policy may name are tagged from offload.names.
 """
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxOffload.models import components, matmul
+from MaxOffload.models import components
+from MaxOffload.models.model_context import DEFAULT
 from MaxOffload.offload import names
-from MaxOffload.parallel.layout import NONE
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
@@ -34,17 +35,16 @@ class RMSNorm(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, *, emb_dim, mlp_dim, param_dtype, numerics, init_std, rngs, layout=NONE):
-        self.numerics, self.layout = numerics, layout
+    def __init__(self, *, emb_dim, mlp_dim, param_dtype, init_std, rngs, ctx=DEFAULT):
+        self.ctx = ctx
         self.wi_0 = param(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), param_dtype, init_std)
         self.wi_1 = param(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), param_dtype, init_std)
         self.wo = param(rngs, (mlp_dim, emb_dim), ("mlp", "embed"), param_dtype, init_std)
 
     @components.scoped(components.MLP)
     def __call__(self, x):
-        mlp = lambda a, w: matmul.dense(a, matmul.weight(w, self.numerics, self.layout), None,  # noqa: E731
-                                        components.MLP, self.numerics)
-        gate = self.numerics.tag(mlp(x, self.wi_0), names.MLPWI_0)
-        up = self.numerics.tag(mlp(x, self.wi_1), names.MLPWI_1)
-        out = mlp(jax.nn.silu(gate) * up, self.wo)
-        return self.numerics.tag(self.layout.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)
+        ctx = self.ctx
+        gate = ctx.tag(ctx.project(x, self.wi_0, None, components.MLP), names.MLPWI_0)
+        up = ctx.tag(ctx.project(x, self.wi_1, None, components.MLP), names.MLPWI_1)
+        out = ctx.project(jax.nn.silu(gate) * up, self.wo, None, components.MLP)
+        return ctx.tag(ctx.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)

@@ -74,25 +74,25 @@ class LlamaConfig(ModelConfig):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, c: LlamaConfig, *, rngs, layout, numerics):
-        pdt, self.numerics = jnp.dtype(c.param_dtype), numerics
+    def __init__(self, c: LlamaConfig, *, rngs, ctx):
+        pdt, self.ctx = jnp.dtype(c.param_dtype), ctx
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
                                  c.rope_high_freq_factor, c.rope_original_max_len)
         self.attention_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
         self.attention = Attention(emb_dim=c.emb_dim, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                   head_dim=c.head_dim, inv_freq=inv_freq, param_dtype=pdt, numerics=numerics,
-                                   init_std=c.init_std, rngs=rngs, attention=c.attention, layout=layout)
+                                   head_dim=c.head_dim, inv_freq=inv_freq, param_dtype=pdt, init_std=c.init_std,
+                                   rngs=rngs, attention=c.attention, ctx=ctx)
         self.mlp_norm = RMSNorm(c.emb_dim, eps=c.norm_eps, param_dtype=pdt)
-        self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, param_dtype=pdt, numerics=numerics,
-                          init_std=c.init_std, rngs=rngs, layout=layout)
+        self.mlp = SwiGLU(emb_dim=c.emb_dim, mlp_dim=c.mlp_dim, param_dtype=pdt, init_std=c.init_std, rngs=rngs,
+                          ctx=ctx)
 
     def __call__(self, x, positions):
-        x = self.numerics.tag(x, names.DECODER_LAYER_INPUT)
+        x = self.ctx.tag(x, names.DECODER_LAYER_INPUT)
         x = x + self.attention(self.attention_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(SingleStackDecoder):
     @staticmethod
-    def make_layer(c: LlamaConfig, rngs, layout, numerics):
-        return DecoderLayer(c, rngs=rngs, layout=layout, numerics=numerics)
+    def make_layer(c: LlamaConfig, rngs, ctx):
+        return DecoderLayer(c, rngs=rngs, ctx=ctx)

@@ -23,23 +23,24 @@ import math
 import jax
 from flax import nnx
 
-from MaxOffload.models import components, exchange as exchange_lib, matmul
+from MaxOffload.models import components, exchange as exchange_lib
 from MaxOffload.models.exchange import capacity_positions
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, SwiGLU, param
+from MaxOffload.models.model_context import DEFAULT
 from MaxOffload.offload import names
-from MaxOffload.parallel.layout import NONE
 
 
 @components.scoped(components.EXPERTS)
-def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, layout=NONE, kernel="xla",
-                   buffer_factor=0.0, numerics=matmul.Numerics()):
+def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, ctx=DEFAULT, kernel="xla",
+                   buffer_factor=0.0):
     """(sum over each token's chosen experts of gate * SwiGLU_expert(x) -> [b, l, emb] float32, the number of
-    choices dropped), through the layout's exchange (models/exchange.py; without a mesh every expert is local)."""
-    ep = exchange_lib.EXCHANGES[layout.exchange](layout, wi_0.shape[0], capacity, kernel, buffer_factor, numerics)
+    choices dropped), through the exchange of ctx's layout (models/exchange.py; without a mesh every expert is
+    local)."""
+    ep = exchange_lib.EXCHANGES[ctx.layout.exchange](ctx, wi_0.shape[0], capacity, kernel, buffer_factor)
     rows, row, sizes, dropped = ep.dispatch(x, experts, positions)
-    gate = numerics.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
-    up = numerics.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
-    out = numerics.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)
+    gate = ctx.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
+    up = ctx.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
+    out = ctx.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)
     return ep.combine(out, row, gates), dropped.sum()
 
 
@@ -48,13 +49,13 @@ class MoE(nnx.Module):
     per-layer statistics (`load` [E], choices per expert, at least) and `dropped` (choices over a capacity or
     buffer)."""
 
-    def __init__(self, *, emb_dim, num_experts, mlp_dim, num_shared, router, capacity_factor, param_dtype, numerics,
-                 init_std, rngs, layout=NONE, kernel="xla", buffer_factor=0.0):
+    def __init__(self, *, emb_dim, num_experts, mlp_dim, num_shared, router, capacity_factor, param_dtype, init_std,
+                 rngs, ctx=DEFAULT, kernel="xla", buffer_factor=0.0):
         """router: a models/routing.Router; kernel: the grouped GEMM (models/kernels.grouped_gemm_for, chosen for
         the layout's devices); buffer_factor: `model.moe_buffer_factor` (dropless rows per device over a balanced
         step's; 0 = all)."""
-        self.routing, self.layout, self.kernel, self.buffer_factor = router, layout, kernel, buffer_factor
-        self.capacity_factor, self.numerics = capacity_factor, numerics
+        self.routing, self.ctx, self.kernel, self.buffer_factor = router, ctx, kernel, buffer_factor
+        self.capacity_factor = capacity_factor
         self.router = param(rngs, (emb_dim, num_experts), ("embed", None), param_dtype, init_std)
         for name, kind in router.state.items():  # e.g. DeepSeek-V3's selection bias
             setattr(self, name, kind(jax.numpy.zeros((num_experts,), jax.numpy.float32)))
@@ -65,7 +66,7 @@ class MoE(nnx.Module):
         self.wo = param(rngs, (num_experts, mlp_dim, emb_dim), ("exp", "moe_mlp", "exp_embed"), param_dtype, init_std)
         # n shared experts of width mlp_dim are one SwiGLU of width n * mlp_dim
         self.shared = SwiGLU(emb_dim=emb_dim, mlp_dim=num_shared * mlp_dim, param_dtype=param_dtype,
-                             numerics=numerics, init_std=init_std, rngs=rngs, layout=layout) if num_shared else None
+                             init_std=init_std, rngs=rngs, ctx=ctx) if num_shared else None
 
     def router_state(self):
         return {name: getattr(self, name)[...] for name in self.routing.state}
@@ -73,16 +74,17 @@ class MoE(nnx.Module):
     def __call__(self, x):
         num_experts = self.wi_0.shape[0]
         _, length, _ = x.shape
-        routing = self.routing.route(x, self.router[...], self.router_state(), self.numerics)
+        with jax.named_scope(components.ROUTER):
+            logits = self.ctx.dense(x, self.router[...], "ble,en->bln", components.ROUTER)
+        routing = self.routing.route(logits, self.router_state())
         capacity = math.ceil(self.capacity_factor * length * self.routing.top_k / num_experts)
         positions = capacity_positions(routing.experts, num_experts) if capacity else None
         # the weights in the matmuls' dtype before the exchange, so that FSDP gathers them in it
-        weights = [w[...].astype(self.numerics.operand_dtype(components.EXPERTS)) for w in (self.wi_0, self.wi_1,
-                                                                                               self.wo)]
-        out, dropped = routed_experts(x, routing.experts, routing.gates, positions, *weights, capacity, self.layout,
-                                      self.kernel, self.buffer_factor, self.numerics)
+        dtype = self.ctx.numerics.operand_dtype(components.EXPERTS)
+        weights = [w[...].astype(dtype) for w in (self.wi_0, self.wi_1, self.wo)]
+        out, dropped = routed_experts(x, routing.experts, routing.gates, positions, *weights, capacity, self.ctx,
+                                      self.kernel, self.buffer_factor)
         out = out.astype(x.dtype)
         if self.shared is not None:
             out = out + self.shared(x)
-        return self.layout.constrain(out, BATCH_LENGTH_EMBED), {**self.routing.statistics(routing),
-                                                                 "dropped": dropped}
+        return self.ctx.constrain(out, BATCH_LENGTH_EMBED), {**self.routing.statistics(routing), "dropped": dropped}

@@ -2,9 +2,10 @@
 (DeepSeek-V3's selection bias) that come with that choice. `model.router` picks one from ROUTERS; a new kind is
 one class and one `ROUTERS[name] = ...` (tests/test_moe_parts.py adds one from a test file).
 
-A router is a strategy over weights the MoE layer holds (`router` [emb, experts] and, when the router keeps
-state, its model-state variables, e.g. `router_bias`), so parameter paths do not depend on the router kind:
-  route(x, weight, state, numerics)  -> Routing(experts [b, l, k], gates [b, l, k] f32, scores [b, l, E] f32)
+A router is a strategy over what the MoE layer computes and holds: the routing logits x @ router [b, l, E] in
+float32 (the layer's `router` weight, through models/matmul.py) and, when the router keeps state, its model-state
+variables (e.g. `router_bias`), so parameter paths do not depend on the router kind:
+  route(logits, state)               -> Routing(experts [b, l, k], gates [b, l, k] f32, scores [b, l, E] f32)
   statistics(routing)                -> {name: array} per layer (`load` [E] at least), stacked over layers
   next_state(state, load)            -> the router state after a step with these expert loads (stop-gradient)
   metrics(stats, state)              -> {name: per-layer array} logged beside the loads
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxOffload.models import components, matmul
+from MaxOffload.models import components
 
 
 class RouterBias(nnx.Variable):
@@ -46,7 +47,7 @@ class Router:
         has them)."""
         return cls(top_k=config.num_experts_per_tok)
 
-    def route(self, x, weight, state, numerics):
+    def route(self, logits, state):
         raise NotImplementedError
 
     def statistics(self, routing):
@@ -75,11 +76,12 @@ def group_limited_top_k(biased, top_k, n_groups, topk_groups):
 
 
 @components.scoped(components.ROUTER)
-def route(x, w_router, bias, *, top_k, n_groups, topk_groups, scaling, numerics=matmul.Numerics()):
-    """(experts [b, l, k] int32, gates [b, l, k] float32, scores [b, l, E] float32) of DeepSeek-V3's router.
+def route(logits, bias, *, top_k, n_groups, topk_groups, scaling):
+    """(experts [b, l, k] int32, gates [b, l, k] float32, scores [b, l, E] float32) of DeepSeek-V3's router from
+    the routing logits [b, l, E].
 
     The bias changes which experts are chosen, never the gate weights or the gradient."""
-    scores = jax.nn.sigmoid(matmul.dense(x, w_router, "ble,en->bln", components.ROUTER, numerics))
+    scores = jax.nn.sigmoid(logits)
     experts = group_limited_top_k(scores + jax.lax.stop_gradient(bias), top_k, n_groups, topk_groups)
     chosen = jnp.take_along_axis(scores, experts, axis=-1)
     return Routing(experts, chosen / (chosen.sum(-1, keepdims=True) + 1e-20) * scaling, scores)
@@ -112,9 +114,9 @@ class DeepSeekRouter(Router):
     def of(cls, c):
         return cls(c.num_experts_per_tok, c.n_groups, c.topk_groups, c.routed_scaling_factor, c.router_bias_update_rate)
 
-    def route(self, x, weight, state, numerics):
-        return route(x, weight, state["router_bias"], top_k=self.top_k, n_groups=self.n_groups,
-                     topk_groups=self.topk_groups, scaling=self.scaling, numerics=numerics)
+    def route(self, logits, state):
+        return route(logits, state["router_bias"], top_k=self.top_k, n_groups=self.n_groups,
+                     topk_groups=self.topk_groups, scaling=self.scaling)
 
     def statistics(self, routing):
         return {"load": load_of(routing.experts, routing.scores.shape[-1]),
@@ -133,16 +135,16 @@ class DeepSeekRouter(Router):
 
 
 @components.scoped(components.ROUTER)
-def softmax_route(x, w_router, top_k, numerics=matmul.Numerics()):
-    probs = jax.nn.softmax(matmul.dense(x, w_router, "ble,en->bln", components.ROUTER, numerics), axis=-1)
+def softmax_route(logits, top_k):
+    probs = jax.nn.softmax(logits, axis=-1)
     gates, experts = jax.lax.top_k(probs, top_k)
     return Routing(experts, gates / gates.sum(-1, keepdims=True), probs)
 
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxRouter(Router):
-    def route(self, x, weight, state, numerics):
-        return softmax_route(x, weight, self.top_k, numerics)
+    def route(self, logits, state):
+        return softmax_route(logits, self.top_k)
 
 
 ROUTERS = {"deepseek": DeepSeekRouter, "softmax": SoftmaxRouter}

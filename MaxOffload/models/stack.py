@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxOffload.models import components, cross_entropy, matmul
+from MaxOffload.models import components, cross_entropy
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
-from MaxOffload.parallel.layout import NONE
+from MaxOffload.models.model_context import ModelContext
 
 
 def stacked_layers(make_layer, num_layers, rngs):
@@ -88,12 +88,11 @@ class DecoderModel(nnx.Module):
     `hidden` runs its layers after embed_tokens; __call__ gives the logits, `losses` the training loss's terms
     (the cross-entropy tile by tile over the vocabulary: model.vocab_tiles, models/cross_entropy.py)."""
 
-    def init_embeddings(self, c, params_on_host, rngs, layout=NONE, numerics=None):
-        """layout: the parallel/layout.ParallelLayout the model is built for; numerics: the weight matmuls' policy
-        (models/matmul.Numerics; default: bf16 in the configured compute dtype)."""
+    def init_embeddings(self, c, params_on_host, rngs, ctx=None):
+        """ctx: the models/model_context.ModelContext the model is built with (its parallel layout and weight
+        matmuls' numerics; default: no mesh, bf16 in the configured compute dtype)."""
         self.config = c
-        self.params_on_host, self.layout = params_on_host, layout
-        self.numerics = numerics or matmul.Numerics(c.compute_dtype)
+        self.params_on_host, self.ctx = params_on_host, ctx or ModelContext.of(c)
         self.embed = param(rngs, (c.vocab_size, c.emb_dim), ("vocab", "embed"), jnp.dtype(c.param_dtype), c.init_std)
 
     def init_head(self, c, rngs):
@@ -133,22 +132,22 @@ class DecoderModel(nnx.Module):
         position, and the logits come out in that order too (the loss lays its targets out the same way:
         `laid_out`), so no hidden state ever moves between context shards for the order."""
         cdt = jnp.dtype(self.config.compute_dtype)
-        order = self.layout.token_order(tokens.shape[1])
+        order = self.ctx.layout.token_order(tokens.shape[1])
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32) if order is None else jnp.asarray(order)
         positions = jnp.broadcast_to(positions, tokens.shape)
         tokens = self.in_layout_order(tokens)
         embed = to_device(self.embed[...], self.params_on_host)
-        return self.layout.constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
+        return self.ctx.constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
 
     def in_layout_order(self, tokens):
         """tokens [..., batch, length] in the layout's token order (embed_tokens), placed as the batch is: left to
         XLA, the reordered tokens stay whole on every device and the embedding lookup with them (gathered, then
         re-split: a full rematerialization of [batch, length, emb])."""
-        order = self.layout.token_order(tokens.shape[-1])
+        order = self.ctx.layout.token_order(tokens.shape[-1])
         if order is None:
             return tokens
         axes = (None,) * (tokens.ndim - 2) + ("activation_batch", "activation_length")
-        return self.layout.constrain(jnp.take(tokens, order, axis=-1), axes)
+        return self.ctx.constrain(jnp.take(tokens, order, axis=-1), axes)
 
     def laid_out(self, *arrays):
         """[..., length] arrays of the sequence (the targets, the mask) in the layout's token order, the order of the
@@ -171,16 +170,15 @@ class DecoderModel(nnx.Module):
 
     def logits_of(self, x, head):
         """x [..., length, emb] times `head` [emb, columns] (the whole head or a tile of it): float32 logits."""
-        logits = matmul.dense(x, head, "...le,ev->...lv", components.UNEMBED, self.numerics)
+        logits = self.ctx.dense(x, head, "...le,ev->...lv", components.UNEMBED)
         batch_axes = (None,) * (logits.ndim - 3) + ("activation_batch",)
-        return self.layout.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
+        return self.ctx.constrain(logits, (*batch_axes, "activation_length", "activation_vocab"))
 
     def cross_entropy(self, x, embed, targets, mask):
         """(sum, count) of next-token cross-entropy of normalised hidden states x [batch, length, emb] against
         targets and mask [batch, length], all in the layout's token order (laid_out): through the whole logits
         (unembed_normed), or vocabulary tile by tile under model.vocab_tiles (models/cross_entropy.tiled)."""
-        shards = self.layout.ways("vocab")
-        tiles = cross_entropy.tiles_for(self.config.vocab_size, self.config.vocab_tiles, shards)
+        tiles, shards = cross_entropy.tiles_under(self.config, self.ctx.layout)
         if tiles == 1:
             return cross_entropy.masked(self.unembed_normed(x, embed), targets, mask)
         with jax.named_scope(components.UNEMBED):
@@ -189,17 +187,17 @@ class DecoderModel(nnx.Module):
 
 class SingleStackDecoder(DecoderModel):
     """A family whose layers are one scanned stack of identical layers (the model group "decoder"): it gives
-    `make_layer(config, rngs, layout, numerics)` and gets the constructor every family takes and the forward pass."""
+    `make_layer(config, rngs, ctx)` and gets the constructor every family takes and the forward pass."""
 
     @staticmethod
-    def make_layer(c, rngs, layout, numerics):
-        raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs, layout, numerics) -> one layer")
+    def make_layer(c, rngs, ctx):
+        raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs, ctx) -> one layer")
 
-    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, layout=NONE, numerics=None):
-        """layout, numerics: as DecoderModel.init_embeddings says."""
+    def __init__(self, c, *, remat_segments, params_on_host=False, rngs, ctx=None):
+        """ctx: as DecoderModel.init_embeddings says."""
         self.remat_segments = remat_segments["decoder"]
-        self.init_embeddings(c, params_on_host, rngs, layout, numerics)
-        self.layers = stacked_layers(lambda r: self.make_layer(c, r, self.layout, self.numerics), c.num_layers, rngs)
+        self.init_embeddings(c, params_on_host, rngs, ctx)
+        self.layers = stacked_layers(lambda r: self.make_layer(c, r, self.ctx), c.num_layers, rngs)
         self.init_head(c, rngs)
 
     def hidden(self, tokens):

@@ -17,6 +17,7 @@ from MaxOffload import data as data_lib
 from MaxOffload import from_config, hardware, memory
 from MaxOffload.models import kernels
 from MaxOffload.models.exchange import EXCHANGES
+from MaxOffload.models.model_context import ModelContext
 from MaxOffload.config.loader import describe
 from MaxOffload.errors import ConfigError
 from MaxOffload.train.flops import by_component, train_flops_per_step
@@ -164,7 +165,7 @@ def describe_setup(cfg, setup, say):
          f"{len(devices)} x {devices[0].device_kind} (mesh {mesh_describe(setup.mesh)}); "
          f"{_human(summary['model_flops_per_step'], 'FLOP')} per step")
     exchange = getattr(setup.model_config, "num_experts", 0) and EXCHANGES[setup.layout.exchange](
-        setup.layout, setup.model_config.num_experts, capacity=0)
+        ModelContext(setup.layout, setup.numerics), setup.model_config.num_experts, capacity=0)
     if hasattr(exchange, "describe"):  # the token all-to-all says which transport this platform runs
         say(exchange.describe())
     return summary
