@@ -49,6 +49,7 @@ class Event:
     stall: float = 0.0  # compute time lost waiting for this transfer or collective (its exposed time)
     fp8_flops: float = 0.0  # of `flops`, those of FP8 GEMMs
     kind: str = ""  # a collective's: all-gather, reduce-scatter, ragged-all-to-all, ...
+    loop: str = ""  # the op_name of the innermost while loop it runs in (its layer segment, when its own has none)
 
     @property
     def component(self):
@@ -57,5 +58,8 @@ class Event:
 
     @property
     def segment(self):
-        found = SEGMENT.findall(self.op_name)
+        """The layer segment it belongs to: named by its own op_name, else by its loop's (XLA leaves some
+        instructions without metadata: e.g. the ragged all-to-all and the copies it makes run inside the layers'
+        loops with none)."""
+        found = SEGMENT.findall(self.op_name) or SEGMENT.findall(self.loop)
         return found[-1] if found else "outside the layers"

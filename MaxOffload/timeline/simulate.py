@@ -22,6 +22,7 @@ class Simulation:
         self.events = []
         self.windows = []  # (loop instruction, iteration, start, end)
         self.unknown_trip_counts = []
+        self.loops = []  # the op_names of the while loops being run, innermost last
 
     # -- running computations ------------------------------------------------------------------
     def run(self, computation):
@@ -36,11 +37,13 @@ class Simulation:
             trips = self.schedule.module.trip_count(ins)
             if trips is None:
                 self.unknown_trip_counts.append(ins.op_name or ins.name)
+            self.loops.append(ins.op_name)
             for i in range(trips or 1):
                 started = self.clock
                 self.run(ins.called("condition"))
                 self.run(ins.called("body"))
                 self.windows.append((schedule.loop_label(ins), i, started, self.clock))
+            self.loops.pop()
             return
         if op == "conditional":
             self.dearest(ins.branches())
@@ -80,7 +83,7 @@ class Simulation:
         other.__dict__.update(self.__dict__)
         other.free, other.pending = dict(self.free), dict(self.pending)
         other.events, other.windows = list(self.events), list(self.windows)
-        other.unknown_trip_counts = list(self.unknown_trip_counts)
+        other.unknown_trip_counts, other.loops = list(self.unknown_trip_counts), list(self.loops)
         return other
 
     # -- work --------------------------------------------------------------------------------------
@@ -89,7 +92,7 @@ class Simulation:
         fp8_rate = self.rates.fp8_matmul_flops or 2 * self.rates.matmul_flops
         seconds = max(flops / self.rates.matmul_flops + fp8_flops / fp8_rate, moved / self.rates.hbm_bytes)
         self.events.append(Event(COMPUTE, self.clock, self.clock + seconds, ins.name, ins.op_name, flops + fp8_flops,
-                                 moved, fp8_flops=fp8_flops))
+                                 moved, fp8_flops=fp8_flops, loop=self.loop))
         self.clock += seconds
 
     def start(self, ins, computation):
@@ -125,7 +128,7 @@ class Simulation:
 
     def queue(self, engine, ins, seconds, moved, flops=0.0, kind=""):
         start = max(self.clock, self.free[engine])
-        event = Event(engine, start, start + seconds, ins.name, ins.op_name, flops, moved, kind=kind)
+        event = Event(engine, start, start + seconds, ins.name, ins.op_name, flops, moved, kind=kind, loop=self.loop)
         self.free[engine] = event.end
         self.events.append(event)
         return event
@@ -154,6 +157,11 @@ class Simulation:
         inter, intra = rounds * size * remote / n, rounds * size * (n - remote - 1) / n
         seconds = max(inter / self.rates.network, intra / self.rates.nvlink)
         return self.queue(COLLECTIVE, ins, seconds, inter + intra, kind=kind)
+
+    @property
+    def loop(self):
+        """The op_name of the innermost while loop being run ("" outside every loop)."""
+        return self.loops[-1] if self.loops else ""
 
     def domain_of(self, device):
         return self.domains[device] if self.domains else device // self.rates.domain
