@@ -40,14 +40,24 @@ def out_of_memory(error):
 def compile_or_refusal(compile_fn):
     """compile_fn()'s compiled program (e.g. a TrainSetup's compile_train_step), or out_of_memory's dict when the
     compiler refuses it for want of memory (libtpu does: it checks the fit at compile; XLA's GPU compiler leaves it
-    to the caller)."""
+    to the caller). The compiler failing otherwise (an XLA bug under some flags, say) is a ConfigError: one line
+    with XLA's status and what to try, where a traceback would end in the compiler's internals."""
     try:
         return compile_fn()
     except Exception as e:  # jax's runtime error type moved between versions: read the status it carries
         refusal = out_of_memory(e)
-        if refusal is None:
+        if refusal is not None:
+            return refusal
+        if type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
             raise
-        return refusal
+        import jaxlib
+        from MaxOffload.errors import ConfigError
+
+        status = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"XLA's compiler (jaxlib {jaxlib.__version__}) failed on the step: {status}; a compiler "
+                          "bug or a combination it does not support, not a wrong config value: try another "
+                          "xla.preset (or xla.extra_flags without the flag it fails on) or another jax "
+                          "version") from None
 
 
 FIT_ADVICE = ("keep fewer activations (a smaller remat.policy, e.g. full; or remat.tensors.NAME=offload), a smaller "

@@ -96,6 +96,14 @@ def get_config(size="671b"):
         cfg.mesh.exchange = "all_to_all"
         cfg.train.reduce_gradients = "per_step"
         cfg.offload.params = cfg.offload.optimizer_state = True
+        # recomputation is the plan's alone: XLA's own rematerialization, which a compile-only device's HBM
+        # estimate (the host-resident state counted in it) drives over its limit, cloned 2.26 PFLOP of GEMMs a
+        # step and saved nothing (122.5 GiB either way; predicted 398.5 -> 407.3 TFLOP/s per GPU)
+        cfg.xla.hlo_rematerialization = False
+        # the rows each GPU holds for its experts stay in HBM (587 MB a layer): the backward pass does not dispatch
+        # them again by the all-to-all (one of the six a layer and micro-batch; 407.3 -> 418.2, HBM 122.5 -> 154.0
+        # GiB of 165.9)
+        cfg.remat.groups.moe.tensors.moe_rows = "device"
     if size == "671b_fsdp":
         # FSDP16 x EP8, the routed experts gathered over fsdp each micro-batch, tokens by all-gather, their output
         # offloaded as well: 144.0 GiB with the float32 gradient accumulator, FITS; compiled work 1.24x the model

@@ -582,7 +582,7 @@ def test_every_tagged_name_is_tagged_in_the_training_step():
     setup = from_config.train_setup(tiny_config())
     jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
     expected = ("decoder_layer_input", "query_wa_proj", "mla_q", "query_proj", "kv_wa_proj", "mla_kv", "key_proj",
-                "value_proj", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0",
+                "value_proj", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_rows", "moe_mlpwi_0",
                 "moe_mlpwi_1", "moe_mlpwo")
     assert checkpoint_names(jaxpr.jaxpr) == set(expected)
     assert models.FAMILIES["deepseek"].tagged_names(setup.model_config) == expected

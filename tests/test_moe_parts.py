@@ -4,12 +4,16 @@ replaceable from outside: this file adds a router and an exchange MaxOffload has
 with them."""
 import collections
 import dataclasses
+import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ROOT, process_env
 from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.models import components, exchange, matmul, routing
@@ -151,3 +155,49 @@ def test_the_softmax_router_trains_and_has_no_state():
     losses, state, metrics = train(cfg, 15)
     assert losses[-1] < 0.8 * losses[0], losses
     assert state["model_state"] == {} and "moe/max_load" in metrics
+
+
+def primitive_counts(jaxpr, names):
+    """{primitive name: how many times it appears in a jaxpr and its sub-jaxprs (a rematerialized block's too)}."""
+    counts = collections.Counter()
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name in names:
+                counts[eqn.primitive.name] += 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return counts
+
+
+ROWS_CHECK = """
+import json, sys
+import jax
+from MaxOffload import from_config
+from MaxOffload.config import load
+sys.path.insert(0, "tests")
+from test_moe_parts import primitive_counts
+counts = {}
+for decision in ("remat", "device"):
+    setup = from_config.train_setup(load(["configs/deepseek_v3.py:tiny", "mesh.ici.expert=8", "mesh.ici.fsdp=1",
+                                          "mesh.exchange=all_to_all", f"remat.tensors.moe_rows={decision}"]))
+    jaxpr = jax.make_jaxpr(setup.train_step)(setup.abstract_state, setup.abstract_batch())
+    counts[decision] = primitive_counts(jaxpr, ("all_to_all",))["all_to_all"]
+print(json.dumps(counts))
+"""
+
+
+def test_saving_the_dispatched_rows_spares_the_backward_the_exchange():
+    """moe_rows (the rows a device holds for its experts and where they came from) saved: the backward pass does
+    not dispatch again, one all-to-all of rows (and its indices) fewer in the traced step on 8 expert ranks."""
+    env = process_env([], {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    out = subprocess.run([sys.executable, "-c", ROWS_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["device"] < counts["remat"], counts

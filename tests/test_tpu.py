@@ -165,6 +165,27 @@ def test_out_of_memory_refusals_read_as_needed_and_available_bytes():
     assert memory.out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes")) is None
 
 
+def test_a_compiler_failure_is_one_line_and_other_errors_pass_through():
+    """XLA failing on a step (jaxlib 0.10.2's GPU compiler under xla.preset=lhs_pipelined_offload on the 671B recipe:
+    this status) is a ConfigError naming it and what to try; our own errors are not disguised as the compiler's."""
+    import jax
+    from MaxOffload.errors import ConfigError
+
+    status = "INVALID_ARGUMENT: layout minor_to_major field contains 2 elements, but shape has 0 dimensions"
+
+    def fails(error):
+        def compile_fn():
+            raise error
+        return compile_fn
+
+    with pytest.raises(ConfigError) as raised:
+        memory.compile_or_refusal(fails(jax.errors.JaxRuntimeError(status + "\n(C++ stack)")))
+    line = str(raised.value)
+    assert "\n" not in line and status in line and "xla.preset" in line
+    with pytest.raises(ValueError):
+        memory.compile_or_refusal(fails(ValueError("a bug of ours")))
+
+
 def test_deviceless_v5e_slices_fit_and_predict_their_step(tmp_path):
     """One slice of 2x2 v5e and two of them (multislice): the verdict, the compiled work read from XLA:TPU's
     convolutions, a predicted step on the v5e's rates."""

@@ -215,7 +215,7 @@ class DeepSeekConfig(ModelConfig):
         return {n.DECODER_LAYER_INPUT: 0, n.QUERY_WA_PROJ: d, n.KV_WA_PROJ: d, n.MLA_Q: 0, n.MLA_KV: 0,
                 n.QUERY_PROJ: self.q_lora_rank, n.KEY_PROJ: self.kv_lora_rank, n.VALUE_PROJ: self.kv_lora_rank,
                 n.ATTENTION_OUT: seq_len / 2, n.CONTEXT: seq_len / 2, n.OUT_PROJ: self.num_heads * self.v_head_dim,
-                n.MLPWI_0: d, n.MLPWI_1: d, n.MLPWO: mlp_out, n.MOE_MLPWI_0: d, n.MOE_MLPWI_1: d,
+                n.MLPWI_0: d, n.MLPWI_1: d, n.MLPWO: mlp_out, n.MOE_ROWS: 0, n.MOE_MLPWI_0: d, n.MOE_MLPWI_1: d,
                 n.MOE_MLPWO: self.moe_mlp_dim}
 
     def attention_dims(self):

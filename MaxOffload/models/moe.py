@@ -6,7 +6,8 @@ every token passes through.
 One MoE layer, x: [batch, length, emb]:
     route     the router's Routing: experts [b, l, k], gates [b, l, k], scores [b, l, E]
     dispatch  every (token, choice) gets a row of an expert-sorted buffer: dropless = sorted by expert,
-              ragged groups; capacity = `capacity` slots per expert and sequence, later tokens dropped
+              ragged groups; capacity = `capacity` slots per expert and sequence, later tokens dropped (the rows
+              a device holds and where they came from: moe_rows)
     experts   three grouped matmuls over the rows: moe_mlpwi_0/1, moe_mlpwo. With a capacity every local expert
               has the same number of rows, one block each: one batched GEMM, [experts, rows, emb] x
               [experts, emb, mlp], whose compiled FLOPs are the capacity's. Dropless groups are ragged: a grouped
@@ -38,6 +39,8 @@ def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, ctx=D
     local)."""
     ep = exchange_lib.EXCHANGES[ctx.layout.exchange](ctx, wi_0.shape[0], capacity, kernel, buffer_factor)
     rows, row, sizes, dropped = ep.dispatch(x, experts, positions)
+    # what the backward needs of the dispatch, under one name: saving it spares the backward the dispatch's exchange
+    rows, (row, sizes) = ctx.tag(rows, names.MOE_ROWS), names.tag((row, sizes), names.MOE_ROWS)
     gate = ctx.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
     up = ctx.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
     out = ctx.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)

@@ -26,6 +26,7 @@ MLPWI = "mlpwi"
 MLPWI_0 = "mlpwi_0"
 MLPWI_1 = "mlpwi_1"
 MLPWO = "mlpwo"
+MOE_ROWS = "moe_rows"
 MOE_MLPWI_0 = "moe_mlpwi_0"
 MOE_MLPWI_1 = "moe_mlpwi_1"
 MOE_MLPWO = "moe_mlpwo"
@@ -70,6 +71,8 @@ TABLE = {
     MLPWI_0: Entry("MLP gate projection (before the activation)", _MLP),
     MLPWI_1: Entry("MLP up projection", _MLP),
     MLPWO: Entry("MLP down projection", _BLE),
+    MOE_ROWS: Entry("routed experts: the token rows a device holds for its experts, in expert order, with where each "
+                    "came from (the exchange's dispatch: recomputing them repeats its all-gather or all-to-all)"),
     MOE_MLPWI_0: Entry("routed experts: gate projection"),
     MOE_MLPWI_1: Entry("routed experts: up projection"),
     MOE_MLPWO: Entry("routed experts: down projection"),
