@@ -26,8 +26,9 @@ CASES = {
 def check(cases, devices=1, extra=()):
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
     args = json.dumps({name: [*overrides, *extra] for name, overrides in cases.items()})
-    result = subprocess.run([sys.executable, "tests/helpers/grad_accum_check.py", args], cwd=ROOT, text=True,
-                            capture_output=True, env=process_env(["python"], env), timeout=900)
+    helper = "tests/helpers/grad_accum_check.py"
+    result = subprocess.run([sys.executable, helper, args], cwd=ROOT, text=True, capture_output=True,
+                            env=process_env([helper], env), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
