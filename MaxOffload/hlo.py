@@ -112,7 +112,8 @@ class Module:
                 return None
             steps = re.search(r'\{"tuple_index":"%s","init":"(-?\d+)","step":"(-?\d+)"\}' % index, loop.attributes)
             init, step = (int(g) for g in steps.groups()) if steps else (None, None)
-        else:
+        if not variable or init is None:  # no config, or one naming the variable only (XLA:GPU after loop
+            #                                pipelining: {"tuple_index":"0"}): read the variable itself
             init, step = self._initial(loop, index), self._increment(loop.called("body"), index)
         bound = compared[1][1] if compared[1] and compared[1][0] == "constant" else None
         if bound is None or init is None or step is None or step <= 0:
@@ -137,18 +138,29 @@ class Module:
         return value[1] if value and value[0] == "constant" else None
 
     def _increment(self, body, index):
-        """c of a body whose root tuple holds `tuple[index] + c` at `index` (c a constant), or None."""
+        """c of a body whose root tuple holds `tuple[index] + c` at `index` (c a constant; the add through one
+        fusion, as XLA:GPU fuses it after loop pipelining), or None."""
         root = self.root(body)
         if root is None or root.opcode != "tuple" or index >= len(root.operands):
             return None
-        add = self._through_copies(body, self._find(body, root.operands[index]))
+        return self._added(body, self._through_copies(body, self._find(body, root.operands[index])), index)
+
+    def _added(self, computation, add, index, params=None):
+        if add is not None and add.opcode == "fusion" and params is None:
+            fused = add.called("calls")
+            return self._added(fused, self._through_copies(fused, self.root(fused)), index,
+                               params=self._params(computation, add))
         if add is None or add.opcode != "add" or len(add.operands) != 2:
             return None
-        a, b = (self._resolve(body, name, None) for name in add.operands)
+        a, b = (self._resolve(computation, name, params) for name in add.operands)
         for x, y in ((a, b), (b, a)):
             if x == ("element", index) and y and y[0] == "constant":
                 return y[1]
         return None
+
+    def _params(self, computation, fusion):
+        """The instructions (through copies) that feed a fusion's parameters, in order."""
+        return [self._through_copies(computation, self._find(computation, name)) for name in fusion.operands]
 
     def _through_copies(self, computation, ins):
         while ins is not None and ins.opcode in ("copy", "bitcast") and ins.operands:
@@ -162,8 +174,7 @@ class Module:
             return None
         if compare.opcode == "fusion":
             fused = compare.called("calls")
-            return self._compared(fused, self.root(fused),
-                                  params=[self._find(computation, name) for name in compare.operands])
+            return self._compared(fused, self.root(fused), params=self._params(computation, compare))
         if compare.opcode != "compare" or "direction=LT" not in compare.attributes or len(compare.operands) != 2:
             return None
         return tuple(self._resolve(computation, name, params) for name in compare.operands)

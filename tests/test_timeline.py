@@ -359,3 +359,45 @@ ENTRY %main (a: (s32[], f32[4])) -> (s32[], f32[4]) {{
     assert trips(loop_module(direction="GT")) is None
     assert trips(loop_module(backend='"known_trip_count":{"n":"7"}')) == 7
     assert trips(loop_module(backend='"dynamic_variables":[]')) is None
+
+    # XLA:GPU after pipelining the gradient accumulation of the 671B recipe's full-remat twin (jaxlib 0.10.2,
+    # xla.preset=lhs_pipelined): the config names the variable only, the increment is a fusion of a copy of it, the
+    # loop starts from a copy of a constant: 31 trips of i < 31 from 0 (the 32nd peeled out of the loop)
+    newer = hlo.parse("""HloModule m, is_scheduled=true
+
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %c = s32[] constant(31)
+  ROOT %lt = pred[] compare(%p, %c), direction=LT
+}
+
+%fused_add (q: s32[]) -> s32[] {
+  %q = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %sum = s32[] add(%q, %one)
+}
+
+%cond (u: (s32[], f32[4])) -> pred[] {
+  %u = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%u), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%t), index=0
+  %jc = s32[] copy(%j)
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %next = s32[] fusion(%jc), kind=kLoop, calls=%fused_add
+  ROOT %o = (s32[], f32[4]{0}) tuple(%next, %x)
+}
+
+ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %zc = s32[] copy(%zero)
+  %a = (s32[], f32[4]{0}) tuple(%zc, %x)
+  ROOT %w = (s32[], f32[4]{0}) while(%a), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}
+}
+""")
+    assert trips(newer) == 31
