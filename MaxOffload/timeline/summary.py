@@ -70,6 +70,10 @@ def format_report(r):
              f"  host copies: D2H {_gb(r['d2h_bytes'])} in {_ms(r['d2h_s'])}, H2D {_gb(r['h2d_bytes'])} in "
              f"{_ms(r['h2d_s'])}, {hidden} hidden under compute; collectives {_gb(r['collective_bytes'])} in "
              f"{_ms(r['collective_s'])}"]
+    if r["unknown_trip_counts"]:  # said before any figure is read as a prediction
+        lines.insert(0, f"WARNING: {len(r['unknown_trip_counts'])} loop(s) without a known trip count were run once "
+                        f"({', '.join(r['unknown_trip_counts'][:3])}): the step below is NOT a prediction, only its "
+                        "loops' bodies once")
     if r["model_tflops_per_device"]:
         lines.append(f"  predicted {r['model_tflops_per_device']:,.1f} model TFLOP/s per device, MFU "
                      f"{r['mfu']:.1%}")
@@ -80,8 +84,6 @@ def format_report(r):
         lines.append("  collectives by kind: " + ", ".join(
             f"{kind} {_gb(c['bytes'])} in {_ms(c['s'])} ({_ms(c['exposed_s'])} exposed)"
             for kind, c in r["collectives_by_kind"].items()))
-    if r["unknown_trip_counts"]:
-        lines.append(f"  WARNING: {len(r['unknown_trip_counts'])} loop(s) without a known trip count were run once")
     return lines
 
 
