@@ -39,8 +39,9 @@ def test_fp8_modes_train_like_bf16_and_their_gradients_stay_near_it(model):
     mantissa bits, so each operand is off by up to 6% per element, and the measured differences are 5-8%. One
     model a test (each process trains both modes)."""
     cases = {model: {"overrides": TRAINING[model], "modes": TRAINED, "gradient": model == "llama"}}
-    result = subprocess.run([sys.executable, "tests/helpers/fp8_check.py", json.dumps(cases)],
-                            cwd=ROOT, text=True, capture_output=True, env=process_env(["python"]), timeout=1800)
+    helper = "tests/helpers/fp8_check.py"
+    result = subprocess.run([sys.executable, helper, json.dumps(cases)], cwd=ROOT, text=True, capture_output=True,
+                            env=process_env([helper]), timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     for case, modes in found.items():
