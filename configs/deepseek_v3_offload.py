@@ -17,7 +17,9 @@ never gathered); routed tokens travel to them and back by the token all-to-all (
 dense ~17B are FSDP-sharded over the rack's 64 GPUs (rules embed/q_lora/kv_lora over the expert axis). Each rack
 accumulates its own gradients over the step's 32 micro-batches and the two racks sum them once a step
 (train.reduce_gradients=per_step). Parameters and Adam state (12 B a parameter, 119 GiB a GPU) live in Grace memory
-(offload.params, offload.optimizer_state). On a CPU machine:
+(offload.params, offload.optimizer_state); in the MoE layers the dispatched rows (moe_rows), the attention output and
+its projection go to the host too, recomputation is the plan's alone (xla.hlo_rematerialization=false) and XLA's
+latency hiding scheduler pipelines the collectives (xla.preset=lhs_pipelined). On a CPU machine:
 XLA_FLAGS=--xla_force_host_platform_device_count=128 python train.py configs/deepseek_v3_offload.py run.dry_run=true
 """
 import os
@@ -55,6 +57,9 @@ def get_config(size="671b"):
         cfg = get_config("671b")
         cfg.run.output_dir += "_remat"
         reset_remat(cfg, "full")
+        # its fastest schedule: with nothing to copy, pipelining the collectives buys nothing here (predicted 437.2
+        # TFLOP/s per GPU under lhs_pipelined, 445.9 under baseline)
+        cfg.xla.preset = "baseline"
         return cfg
     cfg = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"deepseek_v3.py:{size.split('_')[0]}"))
     cfg.run.output_dir = f"runs/deepseek_v3_{size}_offload"
@@ -100,10 +105,14 @@ def get_config(size="671b"):
         # estimate (the host-resident state counted in it) drives over its limit, cloned 2.26 PFLOP of GEMMs a
         # step and saved nothing (122.5 GiB either way; predicted 398.5 -> 407.3 TFLOP/s per GPU)
         cfg.xla.hlo_rematerialization = False
-        # the rows each GPU holds for its experts stay in HBM (587 MB a layer): the backward pass does not dispatch
-        # them again by the all-to-all (one of the six a layer and micro-batch; 407.3 -> 418.2, HBM 122.5 -> 154.0
-        # GiB of 165.9)
-        cfg.remat.groups.moe.tensors.moe_rows = "device"
+        # XLA's latency hiding scheduler with its collectives pipelined across the layers' loop iterations: the
+        # offload copies and most of the FSDP gathers hide (baseline: 9.6 s of copies and 24.5 s of collectives
+        # exposed a step)
+        cfg.xla.preset = "lhs_pipelined"
+        # the rows each GPU holds for its experts (587 MB a layer) go to the host with the up-projections: the
+        # backward pass does not dispatch them again by the all-to-all (one of the six a layer and micro-batch);
+        # in HBM they would not fit beside what the pipelined schedule holds (175.1 GiB of 165.9)
+        cfg.remat.groups.moe.tensors.moe_rows = "offload"
     if size == "671b_fsdp":
         # FSDP16 x EP8, the routed experts gathered over fsdp each micro-batch, tokens by all-gather, their output
         # offloaded as well: 144.0 GiB with the float32 gradient accumulator, FITS; compiled work 1.24x the model
