@@ -1,6 +1,6 @@
 """Causal attention on this machine's TPU, kernel by kernel, side by side in one run (issue 47's kernel table):
 
-    python benchmarks/tpu/attention.py [--json PATH] [--repeats 10]
+    python benchmarks/tpu/attention.py [--json PATH] [--repeats 10] [--sweep]
 
 One forward + backward (the value of sum(attention . w) and the gradients of q, k, v; bf16 inputs) at three shapes:
 
@@ -19,6 +19,10 @@ by each kernel:
                       sequence, the fused backward
     splash_padded     the same with the head dims padded with zeros to multiples of 128 lanes (MLA's 96 / 64, 192)
 
+--sweep: instead of those kernels, XLA's and splash's fused kernel under each block-size choice of SWEEP (the forward
+kernel's query / key blocks and key compute block, the fused backward's; blocks that do not divide the sequence
+are left out), to choose the blocks per family by measurement.
+
 Median of --repeats timed calls after a warm-up, every kernel in this one process; temporaries from the compiled
 program's memory analysis; TFLOP/s of the causal half's matmuls (3 x 2 (d + dv) per visible pair and head);
 largest |out - xla's out|. Prints a markdown table and writes --json.
@@ -36,12 +40,24 @@ SHAPES = {"llama8b_gqa": dict(batch=4, length=2048, heads=32, kv_heads=8, qk_dim
           "deepseek_v3_tp4": dict(batch=1, length=4096, heads=32, kv_heads=32, qk_dim=192, v_dim=128)}
 KERNELS = {"xla": None, "splash_512": ("splash:512", False), "splash_512_fused": ("splash:512", True),
            "splash": ("splash", True), "splash_padded": ("splash", True, True)}
+# --sweep: name -> (block_q, block_kv, block_kv_compute, block_q_dkv, block_kv_dkv, block_kv_dkv_compute), the fused
+# backward; "q1024" is what model.attention=auto runs at these lengths
+SWEEP = {"q1024": (1024, 1024, 1024, 1024, 1024, 1024), "q2048": (2048, 1024, 1024, 1024, 1024, 1024),
+         "q512": (512, 1024, 1024, 1024, 1024, 1024), "kv2048": (1024, 2048, 1024, 1024, 1024, 1024),
+         "kv2048_c2048": (1024, 2048, 2048, 1024, 1024, 1024), "q2048_kv2048": (2048, 2048, 1024, 1024, 1024, 1024),
+         "kv_c512": (1024, 1024, 512, 1024, 1024, 1024), "dkv_q2048": (1024, 1024, 1024, 2048, 1024, 1024),
+         "dkv_kv2048": (1024, 1024, 1024, 1024, 2048, 1024), "dkv_q512": (1024, 1024, 1024, 512, 1024, 512),
+         "dkv_c512": (1024, 1024, 1024, 1024, 1024, 512), "q2048_dkv_q2048": (2048, 1024, 1024, 2048, 1024, 1024)}
+BLOCK_FIELDS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
 
 
 def attention_fn(name):
     from MaxOffload.models.attention.plain import causal_attention
     from MaxOffload.models.attention.splash import splash_attention
 
+    if name in SWEEP:
+        sizes = dict(zip(BLOCK_FIELDS, SWEEP[name]))
+        return lambda q, k, v: splash_attention(q, k, v, None, block_sizes=sizes)
     if KERNELS[name] is None:
         return lambda q, k, v: causal_attention(q, k, v, None)
     kernel, fused, *padded = KERNELS[name]
@@ -78,6 +94,7 @@ def main(argv):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default="")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="XLA and splash under each block-size choice of SWEEP")
     args = parser.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -92,7 +109,9 @@ def main(argv):
         arrays = [jnp.asarray(rng.standard_normal(d), jnp.bfloat16) for d in dims]
         arrays.append(jnp.asarray(rng.standard_normal(s["v_dim"]), jnp.float32))
         reference = None
-        for name in KERNELS:
+        names = ["xla", *(n for n, b in SWEEP.items() if all(s["length"] % x == 0 for x in b))] if args.sweep \
+            else list(KERNELS)
+        for name in names:
             try:
                 out, seconds, temp = measure(name, arrays, args.repeats)
             except Exception as e:  # a kernel this jax or chip cannot run: a row saying so, the others still run

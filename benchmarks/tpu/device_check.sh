@@ -5,6 +5,7 @@
 #   quickstart  python train.py configs/quickstart.py (real text, 300 steps)
 #   hostlink    the host link, both ways (benchmarks/tpu/host_link.py)
 #   attention   the attention kernels side by side (benchmarks/tpu/attention.py -> attention.json)
+#   attention_sweep  splash's block sizes side by side (benchmarks/tpu/attention.py --sweep -> attention_sweep.json)
 #   variants    the variants of benchmarks/tpu/variants.py ($VARIANTS: those named, default all), in one process per
 #               xla.preset (benchmarks/tpu/run_variants.py: the TPU runtime starts once)
 #   profile     an xprof trace of variant $PROFILE_VARIANT (default l4b4_offload, the overlap report's TPU reading),
@@ -58,6 +59,12 @@ attention() {
     echo "attention done at $(elapsed) s"
 }
 
+attention_sweep() {
+    python3 benchmarks/tpu/attention.py --sweep --json "$OUT/attention_sweep.json" 2>&1 \
+        | tee "$RUNS/attention_sweep.log" | grep -v "^W0\|^I0"
+    echo "attention sweep done at $(elapsed) s"
+}
+
 hostlink() {
     python3 benchmarks/tpu/host_link.py --sizes_mib 256,1024 --json "$OUT/host_link.json" 2>&1 | grep -v "^W0\|^I0"
     echo "host link done at $(elapsed) s"
@@ -92,8 +99,8 @@ profile() {
 
 for stage in $STAGES; do
     case $stage in
-        platform|quickstart|attention|hostlink|variants|profile) $stage ;;
-        *) echo "unknown stage $stage: platform quickstart attention hostlink variants profile"; exit 2 ;;
+        platform|quickstart|attention|attention_sweep|hostlink|variants|profile) $stage ;;
+        *) echo "unknown stage $stage: platform quickstart attention attention_sweep hostlink variants profile"; exit 2 ;;
     esac
 done
 python3 benchmarks/tpu/collect.py "$RUNS" "$OUT/device_check.json"

@@ -12,7 +12,7 @@ from MaxOffload.offload import names
 
 
 def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SPLASH, fused_backward=True,
-                     pad_heads=False):
+                     pad_heads=False, block_sizes=None):
     """Causal attention by jax's Pallas splash kernel: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads,
     dv] -> [b, l, heads, dv], in blocks of splash_block(l, kernel) with the fused backward (`fused_backward=False`:
     splash's separate dq and dkv kernels, for benchmarks/tpu/attention.py). `q_sharding`: q's NamedSharding: the
@@ -20,7 +20,8 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
     each shard's k/v heads are repeated to its queries'. `interpret`: the same kernel interpreted (any platform: the
     CPU tests). The kernel's residuals (its output and the rows' log-sum-exp) are named names.CONTEXT (MaxText's
     name for them), so a remat policy keeps (remat.tensors.context=device), offloads or recomputes them: kept, the
-    backward pass runs no second forward kernel."""
+    backward pass runs no second forward kernel. `block_sizes`: {splash BlockSizes field: size} over the block
+    (benchmarks/tpu/attention.py --sweep measures such choices on the chip)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
@@ -29,7 +30,8 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
         #            padded output columns, zero, are cut off): benchmarks/tpu/attention.py measures whether it pays
         lanes = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, -a.shape[-1] % SPLASH_LANES)])  # noqa: E731
         dv = v.shape[-1]
-        out = splash_attention(lanes(q), lanes(k), lanes(v), factor, q_sharding, interpret, kernel, fused_backward)
+        out = splash_attention(lanes(q), lanes(k), lanes(v), factor, q_sharding, interpret, kernel, fused_backward,
+                               block_sizes=block_sizes)
         return out[..., :dv]
     block = splash_block(q.shape[1], kernel)
     if block is None:
@@ -38,10 +40,11 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
 
     def local(q, k, v):
         length, heads = q.shape[1], q.shape[2]
-        sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                      block_kv_dkv=block, block_kv_dkv_compute=block,
-                                      **({} if fused_backward else {"block_q_dq": block, "block_kv_dq": block}),
-                                      use_fused_bwd_kernel=fused_backward)
+        sizes = dict(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+                     block_kv_dkv_compute=block)
+        if not fused_backward:
+            sizes.update(block_q_dq=block, block_kv_dq=block)
+        sizes = kernel_lib.BlockSizes(**{**sizes, **(block_sizes or {})}, use_fused_bwd_kernel=fused_backward)
         mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * heads)
         run = kernel_lib.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                          residual_checkpoint_name=names.CONTEXT, interpret=interpret)
