@@ -17,6 +17,7 @@ from conftest import ROOT, process_env
 from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.models import components, exchange, matmul, routing
+from MaxOffload.offload import names as offload_names
 
 pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
@@ -165,11 +166,8 @@ def primitive_counts(jaxpr, names):
         for eqn in j.eqns:
             if eqn.primitive.name in names:
                 counts[eqn.primitive.name] += 1
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else [value]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
+            for sub in offload_names.sub_jaxprs(eqn):
+                walk(sub)
 
     walk(jaxpr.jaxpr)
     return counts
