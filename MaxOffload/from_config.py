@@ -70,6 +70,8 @@ def micro_batches(cfg, device_count):
     """Micro-batches per optimizer step on `device_count` devices: train.grad_accum_steps, or derived from
     train.global_batch_size. Raises ConfigError when the global batch is not a whole number of micro-batches."""
     train = cfg.train
+    if cfg.mesh.pipeline.microbatches:
+        return cfg.mesh.pipeline.microbatches
     if not train.global_batch_size:
         return train.grad_accum_steps
     micro = mesh_lib.sequences(train.per_device_batch_size, device_count)
@@ -97,4 +99,5 @@ def train_setup(cfg, devices=None, plan=None):
         micro_batches=micro_batches(cfg, device_mesh.size), gather_weights=cfg.train.gather_weights,
         reduce_gradients=cfg.train.reduce_gradients, ragged_decomposer=bool(cfg.xla.ragged_decomposer),
         numerics=numerics(cfg, plan), on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite],
-        context_attention=cfg.mesh.context_attention, load_balance=cfg.mesh.context_load_balance))
+        context_attention=cfg.mesh.context_attention, load_balance=cfg.mesh.context_load_balance,
+        pipeline_repeats=cfg.mesh.pipeline.repeats))

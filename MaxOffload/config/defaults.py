@@ -101,6 +101,15 @@ SCHEMA = {
         "context_load_balance": (False, "lay each sequence out as 2C chunks, context shard i holding chunks i and "
                                         "2C-1-i, so every shard has the same causal attention work (needs "
                                         "context_attention=all_gather)"),
+        # with mesh.ici/dcn.stage > 1 (docs/parallelism.md, parallel/pipeline.py)
+        "pipeline": {
+            "microbatches": (0, "micro-batches a step flowing through the pipeline stages (they are the step's "
+                                "gradient accumulation: a step trains per_device_batch_size x devices x "
+                                "microbatches sequences); 0 = train.grad_accum_steps (or global_batch_size's)"),
+            "repeats": (1, "virtual stages per stage (circular pipeline): the pipelined layers split into stage x "
+                           "repeats pieces, a micro-batch passing every stage `repeats` times; the bubble is "
+                           "(stage - 1) / (repeats x microbatches + stage - 1)"),
+        },
     },
     "distributed": {
         "coordinator_address": ("", "host:port of process 0; empty = auto (Slurm) or single process"),

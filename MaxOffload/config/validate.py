@@ -211,6 +211,7 @@ def validate(cfg):
             _require(mesh_axis in MESH_AXES, f"mesh.rules.{axis}: {mesh_axis!r} is not a mesh axis "
                                              f"({', '.join(MESH_AXES)}){suggest(str(mesh_axis), MESH_AXES)}")
     _validate_quant(cfg)
+    _validate_pipeline(cfg)
     from MaxOffload.models.exchange import EXCHANGES
 
     _choice("mesh.exchange", cfg.mesh.exchange, tuple(EXCHANGES))
@@ -268,3 +269,18 @@ def validate(cfg):
              f"{prof.num_steps} - 1), after train.steps={train.steps}; move or shorten it")
     peak = cfg.hardware.peak_tflops_per_device
     _require(peak is None or peak > 0, f"hardware.peak_tflops_per_device must be > 0 (or None to look it up), got {peak}")
+
+
+def _validate_pipeline(cfg):
+    pipeline, train = cfg.mesh.pipeline, cfg.train
+    _require(pipeline.repeats >= 1, f"mesh.pipeline.repeats={pipeline.repeats} must be >= 1 (1: no virtual stages)")
+    _require(pipeline.microbatches >= 0, f"mesh.pipeline.microbatches={pipeline.microbatches} must be >= 0 "
+                                         "(0: train.grad_accum_steps)")
+    _require(not pipeline.microbatches or (train.grad_accum_steps == 1 and not train.global_batch_size),
+             f"mesh.pipeline.microbatches={pipeline.microbatches} sets the step's micro-batches, which "
+             "train.grad_accum_steps / train.global_batch_size set too; set one of them")
+    stage = (cfg.mesh.ici.stage, cfg.mesh.dcn.stage)
+    _require(stage != (1, 1) or (pipeline.repeats == 1 and not pipeline.microbatches),
+             "mesh.pipeline.* is set but mesh.ici.stage = mesh.dcn.stage = 1: give the stage axis a size > 1, or "
+             "leave mesh.pipeline alone")
+

@@ -19,6 +19,11 @@ class FromConfig:
         """{name: (start, stop)}: the separately scanned stacks (remat.groups can name them); one by default."""
         return {"decoder": (0, self.num_layers)}
 
+    def pipelined_group(self):
+        """The layer group (of layer_groups) that pipeline stages split (parallel/pipeline.py): a stack of identical
+        layers; the others run before or after it on every device, the batch split over the stages too."""
+        return "decoder"
+
     def matmul_params_by_component(self):
         """{models/components part: weights each token multiplies by} (embedding lookup excluded): each part's
         model FLOPs (train/flops.by_component)."""

@@ -136,6 +136,10 @@ class DeepSeekConfig(ModelConfig):
                   "mtp": (self.num_layers, self.num_layers + self.mtp_depth)}
         return {name: (start, stop) for name, (start, stop) in groups.items() if stop > start}
 
+    def pipelined_group(self):
+        """The MoE layers: the first_k_dense dense layers run before the pipeline, the MTP blocks after it."""
+        return "moe"
+
     def validate(self):
         self.require_positive("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                               "num_experts", "num_experts_per_tok", "moe_mlp_dim", "n_groups", "topk_groups",
@@ -422,7 +426,7 @@ class DeepSeek(DecoderModel):
                                                rngs)
         if c.num_moe_layers:
             self.moe_layers = stacked_layers(lambda r: DecoderLayer(c, moe=True, rngs=r, **kind), c.num_moe_layers,
-                                             rngs)
+                                             rngs, self.ctx.layout.pipeline)  # the pipelined stack, with stages
         self.init_head(c, rngs)
         if c.mtp_depth:  # created last: the main model's parameters are the same with and without MTP
             self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, **kind), c.mtp_depth, rngs)
@@ -449,8 +453,14 @@ class DeepSeek(DecoderModel):
         stats = []  # (the MoE module's path, statistics [layers, ...], global layer indices) per MoE stack
         if c.num_moe_layers:
             x, moe_stats = run_layers(self.moe_layers, x, positions, self.moe_segments, c.scan_layers, host,
-                                      with_outputs=True)
-            stats.append((("moe_layers", "mlp"), moe_stats, range(c.first_k_dense, c.num_layers)))
+                                      with_outputs=True, layout=self.ctx.layout)
+            layers = range(c.first_k_dense, c.num_layers)
+            schedule = self.ctx.layout.pipeline
+            if schedule is not None:  # its statistics summed over the micro-batches, its layers in stored order
+                layers = [c.first_k_dense + int(i) for i in schedule.order(c.num_moe_layers)]
+                if "balance" in moe_stats:  # a mean over the sequences: the micro-batches' mean
+                    moe_stats = {**moe_stats, "balance": moe_stats["balance"] / schedule.microbatches}
+            stats.append((("moe_layers", "mlp"), moe_stats, layers))
         normed = self.final_normed(x)
         aux = {"aux_loss": jnp.zeros(()), "metrics": {}, "model_state": {}}
         if c.mtp_depth:

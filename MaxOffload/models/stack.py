@@ -8,20 +8,31 @@ from flax import nnx
 from MaxOffload.models import components, cross_entropy
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
 from MaxOffload.models.model_context import ModelContext
+from MaxOffload.parallel import pipeline
 
 
-def stacked_layers(make_layer, num_layers, rngs):
-    """`num_layers` layers with their parameters stacked on a leading `layers` axis (for scan)."""
+def stacked_layers(make_layer, num_layers, rngs, schedule=None):
+    """`num_layers` layers with their parameters stacked on a leading `layers` axis (for scan). With a schedule (a
+    parallel/pipeline.Pipeline), the stack is the pipelined one: its leading axis is `stage_layers` (split over the
+    stage mesh axis) and holds the layers in the pipeline's order (Pipeline.order; each layer initialised as
+    without stages)."""
 
     @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: "layers" if schedule is None else "stage_layers"})
     def create(rngs):
         return make_layer(rngs)
 
-    return create(rngs)
+    layers = create(rngs)
+    if schedule is None or schedule.repeats == 1:
+        return layers
+    graphdef, state = nnx.split(layers)
+    order = schedule.order(num_layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[order], state))
 
 
-def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_outputs=False, per_layer=None):
+def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_outputs=False, per_layer=None,
+               layout=None):
     """Applies stacked `layers` to x, segment by segment.
 
     segments: ((start, stop, policy, label), ...) covering the layers in order; each segment
@@ -34,9 +45,29 @@ def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_
     A layer returns h, or (h, outputs) with per-layer outputs (e.g. MoE expert loads);
     with_outputs=True returns (x, outputs stacked over all layers on a leading axis). per_layer: an array
     with one entry per layer on its leading axis, passed to each layer as a third argument (the MTP depths'
-    next-token embeddings).
+    next-token embeddings). layout: the model's ParallelLayout when this is the pipelined stack
+    (stacked_layers(..., schedule)): its layers run in the pipeline's stages (parallel/pipeline.run), x holding a
+    step's micro-batches, one segment (policy) for the whole stack, the outputs summed over the micro-batches and
+    in the stack's stored order.
     """
     graphdef, stacked = nnx.split(layers)
+    if layout is not None and layout.pipeline is not None:
+        if len(segments) != 1:
+            raise ValueError("the pipelined stack runs one remat segment (one policy for its layers)")
+        (_, _, policy, label), = segments
+
+        def stage_fn(weights, h, rows_positions):
+            return _segments(graphdef, weights, h, rows_positions, ((0, _depth(weights), policy, label),), scan,
+                             params_on_host, None)
+
+        x, outputs = pipeline.run(layout.pipeline, layout.mesh, stage_fn, stacked, x, positions[0])
+        return (x, outputs) if with_outputs else x
+    x, outputs = _segments(graphdef, stacked, x, positions, segments, scan, params_on_host, per_layer)
+    return (x, outputs) if with_outputs else x
+
+
+def _segments(graphdef, stacked, x, positions, segments, scan, params_on_host, per_layer):
+    """(x after the stacked layers' segments, their per-layer outputs stacked): run_layers' body."""
 
     def body(h, xs):
         layer_state, extra = xs
@@ -60,8 +91,6 @@ def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_
                     layer_outputs.append(y)
                 ys = jax.tree.map(lambda *a: jnp.stack(a), *layer_outputs)
         outputs.append(ys)
-    if not with_outputs:
-        return x
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *outputs)
 
 
@@ -197,12 +226,14 @@ class SingleStackDecoder(DecoderModel):
         """ctx: as DecoderModel.init_embeddings says."""
         self.remat_segments = remat_segments["decoder"]
         self.init_embeddings(c, params_on_host, rngs, ctx)
-        self.layers = stacked_layers(lambda r: self.make_layer(c, r, self.ctx), c.num_layers, rngs)
+        self.layers = stacked_layers(lambda r: self.make_layer(c, r, self.ctx), c.num_layers, rngs,
+                                     self.ctx.layout.pipeline)
         self.init_head(c, rngs)
 
     def hidden(self, tokens):
         x, positions, embed = self.embed_tokens(tokens)
-        x = run_layers(self.layers, x, positions, self.remat_segments, self.config.scan_layers, self.params_on_host)
+        x = run_layers(self.layers, x, positions, self.remat_segments, self.config.scan_layers, self.params_on_host,
+                       layout=self.ctx.layout)
         return self.final_normed(x), embed, {}
 
     def __call__(self, tokens):

@@ -26,11 +26,14 @@ class ParallelLayout:
     # registry (models/attention/context.STRATEGIES)
     context_attention: str = "all_gather"
     load_balance: bool = False  # the sequence laid out so every context shard has the same causal work
+    # the pipelined stack's schedule over the `stage` axis (parallel/pipeline.Pipeline), None without stages
+    pipeline: object = None
 
     @classmethod
-    def of(cls, mesh, rules, exchange="all_gather", context_attention="all_gather", load_balance=False):
+    def of(cls, mesh, rules, exchange="all_gather", context_attention="all_gather", load_balance=False,
+           pipeline=None):
         return cls(mesh, tuple(sorted((axis, tuple(mesh_axes)) for axis, mesh_axes in rules.items())), exchange,
-                   context_attention, load_balance)
+                   context_attention, load_balance, pipeline)
 
     @property
     def context_ways(self):
@@ -60,8 +63,10 @@ class ParallelLayout:
         return dict(self.rules)
 
     def spec(self, axes):
-        """The PartitionSpec of logical `axes` on this mesh."""
-        return logical.partition_spec(axes, self.rule_map, self.mesh.axis_names)
+        """The PartitionSpec of logical `axes` on this mesh; inside a shard_map, without the axes it makes manual
+        (the pipeline's stage axis: a stage's activations are placed over the other axes)."""
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        return logical.partition_spec(axes, self.rule_map, [a for a in self.mesh.axis_names if a not in manual])
 
     @property
     def current_mesh(self):
@@ -73,7 +78,7 @@ class ParallelLayout:
 
     def sharding(self, axes):
         """The NamedSharding of logical `axes`, or None without a mesh (for a kernel that runs per shard)."""
-        return None if self.mesh is None else logical.named_sharding(self.current_mesh, axes, self.rule_map)
+        return None if self.mesh is None else jax.sharding.NamedSharding(self.current_mesh, self.spec(axes))
 
     def constrain(self, x, axes):
         """x placed by its logical axes (a sharding constraint); x itself without a mesh."""

@@ -7,11 +7,14 @@ import math
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
+# `stage` first: pipeline stages are the outermost split (across racks over mesh.dcn.stage)
+MESH_AXES = ("stage", "data", "fsdp", "tensor", "expert", "context")
 
 # logical axis -> mesh axes that shard it (in order); absent or () = replicated.
 DEFAULT_RULES = {
-    "activation_batch": ("data", "fsdp", "expert"),
+    # outside the pipelined stack the stages split the batch too (the embedding, head and unpipelined layers are
+    # not computed once per stage); inside it the stage axis is manual and no placement names it
+    "activation_batch": ("data", "fsdp", "expert", "stage"),
     "activation_length": ("context",),
     "activation_embed": (),
     "activation_heads": ("tensor",),
@@ -26,6 +29,8 @@ DEFAULT_RULES = {
     "mlp": ("tensor",),
     "norm": (),
     "layers": (),
+    # the pipelined stack's leading axis (parallel/pipeline.py): each stage holds its own layers
+    "stage_layers": ("stage",),
     # DeepSeek: MLA latents (FSDP-shard the up-projections, whose other axes are heads) and experts.
     "q_lora": ("fsdp",),
     "kv_lora": ("fsdp",),

@@ -16,6 +16,7 @@ from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import logical
 from MaxOffload.parallel import mesh as mesh_lib
 from MaxOffload.parallel.layout import ParallelLayout
+from MaxOffload.parallel.pipeline import Pipeline
 
 BATCH_AXES = ("activation_batch", "activation_length")
 PER_MICRO_BATCH, PER_STEP = "per_micro_batch", "per_step"  # where accumulation gathers the fsdp-sharded weights
@@ -108,6 +109,9 @@ class StepSpec:
     # for balanced causal work
     context_attention: str = "all_gather"
     load_balance: bool = False
+    # with a stage mesh axis: the virtual stages per stage (mesh.pipeline.repeats); the step's micro-batches are the
+    # pipeline's
+    pipeline_repeats: int = 1
 
 
 class TrainSetup:
@@ -125,8 +129,9 @@ class TrainSetup:
         self.on_nonfinite, self.micro_batches, self.gather_weights = spec.on_nonfinite, spec.micro_batches, \
             spec.gather_weights
         self.numerics = spec.numerics or matmul.Numerics(spec.model_config.compute_dtype)
+        self.pipeline = self._pipeline(spec)
         self.layout = ParallelLayout.of(spec.mesh, spec.rules, spec.exchange, spec.context_attention,
-                                        spec.load_balance)  # to the model, once
+                                        spec.load_balance, self.pipeline)  # to the model, once
         platform = kernels.platform(spec.mesh.devices.flat[0])
         # every compile of the step gets the preset and what the weight GEMMs' mode needs
         self.compiler_options = xla.compiler_options(spec.plan.xla_preset, self.numerics.mode,
@@ -146,6 +151,10 @@ class TrainSetup:
             is_leaf=lambda x: isinstance(x, PartitionSpec))
         check_divisible(abstract_params, self.param_shardings, self.mesh)
         self.replicas, self.replica_graphdef = self._replicas(spec.reduce_gradients, self.param_shardings)
+        # evaluation's batch is one micro-batch: with stages, a model whose pipeline runs it as one
+        self.eval_graphdef = self.graphdef if self.pipeline is None else nnx.split(nnx.eval_shape(
+            lambda: self._model(dataclasses.replace(self.layout, pipeline=dataclasses.replace(
+                self.pipeline, microbatches=1)))), nnx.Param, ...)[0]
         self.abstract_state = jax.eval_shape(self._init)
         self.state_shardings = self._state_shardings()
         self.host_state_asked = {"params": self.plan.params_on_host, "opt_state": self.plan.optimizer_on_host}
@@ -154,6 +163,31 @@ class TrainSetup:
             lambda s: NamedSharding(self.mesh, PartitionSpec(*(_without(axes, "fsdp") for axes in s.spec))),
             self.param_shardings)
         self._batch_layout()
+
+    @staticmethod
+    def _pipeline(spec):
+        """The pipeline schedule with a stage mesh axis (None without); ConfigError when the model's pipelined layer
+        group does not split into the virtual stages or is asked to run under more than one policy, or the step
+        asks for what the pipeline does differently."""
+        stages = spec.mesh.shape["stage"]
+        if stages == 1:
+            return None
+        schedule = Pipeline(stages, spec.pipeline_repeats, spec.micro_batches)
+        group = spec.model_config.pipelined_group()
+        start, stop = spec.model_config.layer_groups().get(group, (0, 0))
+        if stop == start:
+            raise ConfigError(f"mesh stage={stages}: this model has no {group!r} layers to pipeline; set "
+                              "mesh.ici.stage=1 and mesh.dcn.stage=1")
+        schedule.per_stage(stop - start)
+        if len(spec.plan.by_stack().get(group, ())) != 1:
+            raise ConfigError(f"mesh stage={stages}: the pipelined layer group {group!r} runs under one remat/offload "
+                              f"policy (each stage runs any of its layers); make remat.groups.{group} cover all of "
+                              "them, or give one policy")
+        if spec.reduce_gradients == PER_STEP and spec.micro_batches > 1:
+            raise ConfigError("train.reduce_gradients=per_step is for the micro-batches' scan, which pipeline stages "
+                              "replace (their micro-batches run in one pass): use train.reduce_gradients="
+                              "per_micro_batch with mesh stage > 1")
+        return schedule
 
     def _state_shardings(self):
         """The state's shardings: the parameters' and the optimizer state's in HBM or host memory (the plan's)."""
@@ -270,8 +304,9 @@ class TrainSetup:
         from them (e.g. the router biases from the whole step's expert loads), as one batch of k x rows would.
         Under reduce_gradients=PER_STEP each of `self.replicas` data replicas accumulates its own gradients,
         [replicas, ...] over the data axis, summed once after the loop."""
-        if self.micro_batches == 1:
-            (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, model_state, batch)
+        if self.micro_batches == 1 or self.pipeline is not None:  # the pipeline runs the micro-batches in one pass
+            (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, model_state,
+                                                                             self._pipelined(batch))
             return loss, aux, grads
         k, replicas = self.micro_batches, self.replicas
         if self.gather_weights == PER_STEP:  # one all-gather of the fsdp shards, outside the micro-batches' loop
@@ -325,6 +360,13 @@ class TrainSetup:
         aux = {"metrics": jax.tree.map(lambda m: m / k, metrics), "model_state": model.next_model_state(statistics)}
         return loss, aux, grads
 
+    def _pipelined(self, batch):
+        """A step's micro-batches [M, rows, length] as the pipelined model takes them: one batch [rows x M, length]
+        whose row g x M + m is micro-batch m's row g (parallel/pipeline.run); the batch itself otherwise."""
+        if self.pipeline is None or self.micro_batches == 1:
+            return batch
+        return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:]), batch)
+
     def train_step(self, state, batch):
         loss, aux, grads = self.gradients(state["params"], state["model_state"], batch)
         # Host-resident state visits HBM for the elementwise update only; the out_shardings
@@ -357,7 +399,7 @@ class TrainSetup:
         return good, {**state, "step": jax.make_array_from_callback((), sharding, lambda _: value)}
 
     def eval_step(self, params, model_state, batch):
-        model = nnx.merge(self.graphdef, params, model_state)
+        model = nnx.merge(self.eval_graphdef, params, model_state)
         x, embed, _ = model.hidden(batch["inputs"])
         return model.cross_entropy(x, embed, *model.laid_out(batch["targets"], batch["mask"]))
 
