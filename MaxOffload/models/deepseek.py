@@ -414,6 +414,8 @@ def mtp_cross_entropy(cross_entropy, mtp_hidden, targets, mask, laid_out=lambda 
 
 
 class DeepSeek(DecoderModel):
+    PIPELINED_STACK = "moe_layers"  # the stack that pipeline stages split (DeepSeekConfig.pipelined_group)
+
     def __init__(self, c: DeepSeekConfig, *, remat_segments, params_on_host=False, rngs, ctx=None):
         """ctx: the models/model_context.ModelContext the model is built with (DecoderModel.init_embeddings)."""
         self.dense_segments, self.moe_segments = remat_segments.get("dense", ()), remat_segments.get("moe", ())

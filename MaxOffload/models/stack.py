@@ -218,6 +218,8 @@ class SingleStackDecoder(DecoderModel):
     """A family whose layers are one scanned stack of identical layers (the model group "decoder"): it gives
     `make_layer(config, rngs, ctx)` and gets the constructor every family takes and the forward pass."""
 
+    PIPELINED_STACK = "layers"  # the attribute holding the stack that pipeline stages split (pipelined_group)
+
     @staticmethod
     def make_layer(c, rngs, ctx):
         raise NotImplementedError("a SingleStackDecoder gives make_layer(config, rngs, ctx) -> one layer")

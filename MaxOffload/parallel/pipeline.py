@@ -6,8 +6,8 @@ With S stages, R repeats and L layers, virtual stage v = r * S + s (repeat r, st
 [v * L/(S R), (v + 1) * L/(S R)): a micro-batch goes through stages 0, 1, ..., S-1, then again from stage 0 with the
 next repeat's layers. Stage s stores its R virtual stages' layers contiguously (`order`), so the stack's leading
 axis splits over the stage axis in blocks. At iteration t stage s runs micro-batch (t - s) mod M of repeat
-(t - s) // M; the run takes T = R M' + S - 1 iterations (M' = max(M, S): fewer micro-batches than stages are
-padded with idle ones), of which each stage works R M: the bubble, (T - R M) / T, is (S - 1) / (R M + S - 1) for
+(t - s) // M; the run takes T = R M' + S - 1 iterations (M' = M; with repeats max(M, S): fewer micro-batches than
+stages are padded with idle ones), of which each stage works R M: the bubble, (T - R M) / T, is (S - 1) / (R M + S - 1) for
 M >= S. Stage S-1's output reaches stage 0 by the same ppermute; stage 0 keeps it until that micro-batch's next
 repeat (M >= S iterations later) and, after the last repeat, as the stack's output.
 """
@@ -31,8 +31,9 @@ class Pipeline:
 
     @property
     def padded(self):
-        """Micro-batches the schedule runs: at least one per stage (the extra ones idle)."""
-        return max(self.microbatches, self.stages)
+        """Micro-batches the schedule runs: the step's; with repeats at least one per stage (the extra ones idle), so
+        that stage S-1's output is back at stage 0 by the time its next repeat starts."""
+        return self.microbatches if self.repeats == 1 else max(self.microbatches, self.stages)
 
     @property
     def iterations(self):

@@ -8,6 +8,7 @@ checkpoint to a temporary directory and renames it when complete, so a process k
 save leaves the previous checkpoint intact; the leftover is skipped.
 """
 import errno
+import json
 import logging
 import math
 import os
@@ -20,6 +21,9 @@ import orbax.checkpoint as ocp
 from MaxOffload.errors import ConfigError
 from MaxOffload.reports import gib
 from MaxOffload.train import integrity
+
+
+LAYER_ORDER = "layer_order"  # meta: the pipelined stack's stored order (train/step.TrainSetup.layer_order), if not the model's
 
 
 def _warn(text):
@@ -156,6 +160,8 @@ class Checkpointer:
         if step in self.damaged:
             self.manager.delete(step)  # re-trained from an older checkpoint: the sound state replaces it
             self.damaged.discard(step)
+        order = self.setup.layer_order()  # a pipeline's stored layer order: another schedule's resume reorders
+        meta = meta if order is None else {**meta, LAYER_ORDER: [int(i) for i in order]}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
         self.unsealed = step
@@ -219,7 +225,8 @@ class Checkpointer:
             try:
                 _verify(path, self.structure)
                 restored = self.manager.restore(step, args=_restore_args(self.setup))
-                return restored.state, dict(restored.meta)
+                meta = dict(restored.meta)
+                return self.setup.reorder(restored.state, meta.get(LAYER_ORDER)), meta
             except integrity.Mismatch as e:  # intact, but another model or optimizer: not a reason to fall back
                 raise ConfigError(_mismatch(path, e, self.cfg.run.output_dir)) from None
             except integrity.Renamed as e:  # another step's state: resuming it would mislabel the run
@@ -255,6 +262,7 @@ def load_params(path, setup):
         try:
             _verify(step_dir, integrity.structure(_weights_item(setup.abstract_state)), partial=True)
             restored = manager.restore(step, args=_weights_restore_args(setup))
+            saved_order = _saved_meta(step_dir).get(LAYER_ORDER)
         except integrity.Mismatch as e:
             raise ConfigError(f"checkpoint.load_params_from={path}: the parameters of step {step} are not this "
                               f"model's ({e}); it must come from a run of the same model") from None
@@ -267,6 +275,17 @@ def load_params(path, setup):
                               f"({type(e).__name__}); it must come from a run of the same model") from None
         finally:
             manager.close()  # its threads must not outlive the run (or the one-line error)
-        return {"model_state": {}, **restored.state}, step
+        return setup.reorder({"model_state": {}, **restored.state}, saved_order), step
     raise ConfigError(f"checkpoint.load_params_from={path}: no checkpoint there; give a run directory, its "
                       "checkpoints/ directory or one step directory")
+
+
+def _saved_meta(step_dir):
+    """A step directory's meta JSON ({} where there is none: a converted checkpoint has no training position)."""
+    path = os.path.join(step_dir, "meta", "metadata")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+

@@ -189,6 +189,37 @@ class TrainSetup:
                               "per_micro_batch with mesh stage > 1")
         return schedule
 
+    def layer_order(self):
+        """The model's layers that the pipelined stack stores at each position (parallel/pipeline.Pipeline.order), or
+        None where it stores them in the model's order (no stages, or one repeat)."""
+        if self.pipeline is None or self.pipeline.repeats == 1:
+            return None
+        start, stop = self.model_config.layer_groups()[self.model_config.pipelined_group()]
+        return self.pipeline.order(stop - start)
+
+    def reorder(self, tree, saved):
+        """A state (or its params / model_state part) restored into this run's shardings whose pipelined stack was
+        stored in the layer order `saved` (a checkpoint's; None: the model's), with that stack's leaves (its
+        parameters, their optimizer state, its model state) in this run's order: a checkpoint resumes under another
+        pipeline schedule. One leaf at a time, in place."""
+        current, key = self.layer_order(), models.family_of(self.model_config).model_class.PIPELINED_STACK
+        if saved is None and current is None:
+            return tree
+        start, stop = self.model_config.layer_groups()[self.model_config.pipelined_group()]
+        layers = stop - start
+        saved = np.arange(layers) if saved is None else np.asarray(saved)
+        current = np.arange(layers) if current is None else current
+        if np.array_equal(saved, current):
+            return tree
+        take = np.argsort(saved)[current]  # position p now holds layer current[p], saved at argsort(saved)[...]
+
+        def move(path, leaf):
+            if not any(getattr(k, "key", None) == key for k in path) or not leaf.ndim or leaf.shape[0] != layers:
+                return leaf
+            return jax.jit(lambda a: a[take], out_shardings=leaf.sharding, donate_argnums=0)(leaf)
+
+        return jax.tree_util.tree_map_with_path(move, tree)
+
     def _state_shardings(self):
         """The state's shardings: the parameters' and the optimizer state's in HBM or host memory (the plan's)."""
         replicated = NamedSharding(self.mesh, PartitionSpec())

@@ -168,6 +168,10 @@ def describe_setup(cfg, setup, say):
         ModelContext(setup.layout, setup.numerics), setup.model_config.num_experts, capacity=0)
     if hasattr(exchange, "describe"):  # the token all-to-all says which transport this platform runs
         say(exchange.describe())
+    if setup.pipeline is not None:
+        summary["pipeline_bubble"] = setup.pipeline.bubble
+        say(f"{setup.pipeline.describe()} (the {setup.model_config.pipelined_group()} layers; the rest before and "
+            "after them on every device)")
     return summary
 
 
