@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from MaxOffload import data, from_config  # noqa: E402
+from MaxOffload import data, from_config, models  # noqa: E402
 from MaxOffload.config import load  # noqa: E402
 
 M, ROWS, SEQ = 4, 1, 16
@@ -37,12 +37,10 @@ def max_abs(a, b):
 
 def in_model_order(tree, setup):
     """A params-shaped tree with the pipelined stack's layers put back in the model's order."""
-    if setup.pipeline is None or setup.pipeline.repeats == 1:
+    if setup.layer_order() is None:
         return tree
-    group = setup.model_config.pipelined_group()
-    stack = {"decoder": "layers", "moe": "moe_layers"}[group]
-    start, stop = setup.model_config.layer_groups()[group]
-    back = np.argsort(setup.pipeline.order(stop - start))
+    stack = models.family_of(setup.model_config).model_class.PIPELINED_STACK
+    back = np.argsort(setup.layer_order())
     if stack not in tree:  # a model state without the stack's (Llama's: none)
         return tree
     tree = dict(tree)
@@ -50,19 +48,30 @@ def in_model_order(tree, setup):
     return tree
 
 
+REFERENCES = {}
+
+
+def reference(model_overrides, parts):
+    """(the one-device setup, its initial state, loss, aux and gradients of one batch of the micro-batches `parts`'
+    rows): one per model, shared by its cases (whose staged runs read the same micro-batches)."""
+    if model_overrides not in REFERENCES:
+        cfg = load([*model_overrides, f"train.per_device_batch_size={ROWS * jax.device_count() * M}"])
+        setup = from_config.train_setup(cfg, jax.devices()[:1])
+        state = setup.init_state()
+        big = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        REFERENCES[model_overrides] = (setup, state, *jax.jit(setup.gradients)(
+            state["params"], state["model_state"], setup.put_step_batch([big])))
+    return REFERENCES[model_overrides]
+
+
 def compare(overrides):
-    common = [*overrides, "model.compute_dtype=float32", f"train.seq_len={SEQ}", "checkpoint.enabled=false"]
-    staged_cfg = load([*common, f"train.per_device_batch_size={ROWS}", f"mesh.pipeline.microbatches={M}"])
+    common = ("model.compute_dtype=float32", f"train.seq_len={SEQ}", "checkpoint.enabled=false")
+    model_overrides = tuple(o for o in overrides if not o.startswith("mesh.")) + common
+    staged_cfg = load([*overrides, *common, f"train.per_device_batch_size={ROWS}", f"mesh.pipeline.microbatches={M}"])
     staged = from_config.train_setup(staged_cfg)
     parts = data.micro_batches(data.build(staged_cfg), 0, M)
-    whole_cfg = load([*common, f"train.per_device_batch_size={ROWS * jax.device_count() * M}",
-                      "mesh.ici.stage=1", "mesh.ici.fsdp=-1", "mesh.ici.expert=1", "mesh.ici.tensor=1",
-                      "mesh.pipeline.repeats=1"])
-    whole = from_config.train_setup(whole_cfg, jax.devices()[:1])
-    whole_state, staged_state = whole.init_state(), staged.init_state()
-    big = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    loss_1, aux_1, grads_1 = jax.jit(whole.gradients)(whole_state["params"], whole_state["model_state"],
-                                                      whole.put_step_batch([big]))
+    whole, whole_state, loss_1, aux_1, grads_1 = reference(model_overrides, parts)
+    staged_state = staged.init_state()
     loss_s, aux_s, grads_s = jax.jit(staged.gradients)(staged_state["params"], staged_state["model_state"],
                                                        staged.put_step_batch(parts))
     state_1, state_s = aux_1.get("model_state", {}), in_model_order(aux_s.get("model_state", {}), staged)
@@ -71,7 +80,8 @@ def compare(overrides):
             "init": max_abs(in_model_order(staged_state["params"], staged), whole_state["params"]),
             "state": max_abs(state_s, state_1), "state_leaves": len(jax.tree.leaves(state_1)),
             "state_moved": max_abs(state_1, whole_state["model_state"]),
-            "bubble": staged.pipeline.bubble, "metrics": sorted(aux_s.get("metrics", {}))}
+            "bubble": staged.pipeline.bubble, "iterations": staged.pipeline.iterations,
+            "metrics": sorted(aux_s.get("metrics", {}))}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""Pipeline stages (mesh.ici/dcn.stage, mesh.pipeline.*; parallel/pipeline.py): a step on 8 CPU devices split
+into stages equals one device's step of the same rows, in loss, gradients and model state (Llama tiny and DeepSeek
+tiny with MTP, stage2 x fsdp4, stage4 x fsdp2, stage2 x repeats2, stage2 x expert4); train.py runs it with the same
+losses as without stages; a checkpoint resumes, and its weights load, under another schedule; what the schedule
+cannot run is one line and exit 2."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, process_env, run_cli
+from test_checkpoint import losses
+from MaxOffload.errors import ConfigError
+from MaxOffload.parallel.pipeline import Pipeline
+
+pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
+
+EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+LLAMA = ["configs/llama3_1.py:tiny", "model.num_layers=4"]
+DEEPSEEK = ["configs/deepseek_v3.py:tiny", "model.num_layers=5", "model.mtp_depth=1"]  # 1 dense, 4 MoE layers
+MESHES = {"stage2 fsdp4": ["mesh.ici.stage=2", "mesh.ici.fsdp=4"],
+          "stage4 fsdp2": ["mesh.ici.stage=4", "mesh.ici.fsdp=2"],
+          "stage2 repeats2": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "mesh.pipeline.repeats=2"],
+          "stage2 expert4": ["mesh.ici.stage=2", "mesh.ici.fsdp=1", "mesh.ici.expert=4"]}
+M = 4  # tests/helpers/pipeline_check.py's micro-batches
+
+
+def test_schedule():
+    """Stage s stores its virtual stages' layers one after the other; the bubble is (S-1)/(RM+S-1)."""
+    circular = Pipeline(stages=2, repeats=2, microbatches=4)
+    # 8 layers in 4 virtual stages of 2: stage 0 holds virtual stages 0 and 2, stage 1 holds 1 and 3
+    assert circular.order(8).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert Pipeline(stages=4, repeats=1).order(8).tolist() == list(range(8))
+    assert circular.iterations == 2 * 4 + 1 and circular.bubble == pytest.approx(1 / 9)
+    # fewer micro-batches than stages: one repeat runs them as they are; repeats pad them to one per stage
+    assert Pipeline(stages=4, repeats=1, microbatches=1).bubble == pytest.approx(3 / 4)
+    assert Pipeline(stages=4, repeats=2, microbatches=2).iterations == 2 * 4 + 3
+    with pytest.raises(ConfigError, match="do not split into mesh stage 4 x mesh.pipeline.repeats=2"):
+        Pipeline(stages=4, repeats=2).per_stage(12)
+
+
+def test_stages_equal_one_device():
+    cases = {f"{family} {mesh}": [*model, *overrides] for family, model in (("llama", LLAMA), ("deepseek", DEEPSEEK))
+             for mesh, overrides in MESHES.items()}
+    helper = "tests/helpers/pipeline_check.py"
+    result = subprocess.run([sys.executable, helper, json.dumps(cases)], cwd=ROOT, text=True, capture_output=True,
+                            env=process_env([helper], EIGHT), timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, diff in found.items():
+        assert diff["loss"] < 1e-5 and diff["grads"] < 1e-5, (name, diff)
+        assert diff["init"] == 0.0, (name, diff)  # each layer initialised as without stages, whatever its place
+        stages, repeats = (4, 1) if "stage4" in name else (2, 2 if "repeats2" in name else 1)
+        assert diff["iterations"] == repeats * M + stages - 1, (name, diff)
+        assert diff["bubble"] == pytest.approx((stages - 1) / (repeats * M + stages - 1)), (name, diff)
+        if name.startswith("deepseek"):  # router biases from the whole step's loads; MTP and balance losses
+            assert diff["state"] == 0.0 and diff["state_leaves"] >= 2 and diff["state_moved"] > 0, (name, diff)
+            assert {"mtp_loss", "moe/balance_loss", "moe/max_load"} <= set(diff["metrics"]), (name, diff)
+
+
+def train(args, out, env=EIGHT):
+    result = run_cli(["train.py", *args, f"run.output_dir={out}"], env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_train_py_stages_match_one_stage_and_resume_on_another(tmp_path):
+    """The issue's command (DeepSeek tiny, stage=2 x fsdp=4) trains with stage=1's losses; its checkpoint resumes
+    on stage=1 and goes on as stage=1's own run."""
+    common = ["configs/deepseek_v3.py:tiny", "train.seq_len=32", "train.per_device_batch_size=1",
+              "train.warmup_steps=1", "train.eval_every=0", "model.compute_dtype=float32", "run.log_every=1"]
+    staged = train([*common, "mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.steps=2"], tmp_path / "staged")
+    assert "pipeline: 2 stages x 1 repeats, 1 micro-batches a step, bubble 50.0%" in staged.stdout
+    train([*common, "train.steps=3"], tmp_path / "flat")
+    train([*common, "mesh.ici.stage=1", "mesh.ici.fsdp=8", "train.steps=3"], tmp_path / "staged")  # resumes
+    one, two = losses(tmp_path / "flat"), losses(tmp_path / "staged")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert two[step] == pytest.approx(one[step], rel=1e-5), (step, one, two)
+
+
+def test_checkpoint_of_a_circular_schedule_loads_under_others(tmp_path):
+    """A circular schedule stores its layers in the pipeline's order and says so in the checkpoint; loaded without
+    stages, or under the same schedule, the model is the same (its first losses equal); a resume on one stage
+    goes on as the circular run does."""
+    common = [*LLAMA, "train.seq_len=32", "train.per_device_batch_size=1", "train.warmup_steps=0",
+              "train.eval_every=0", "model.compute_dtype=float32", "run.log_every=1"]
+    circular = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "mesh.pipeline.repeats=2", "mesh.pipeline.microbatches=2"]
+    train([*common, *circular, "train.steps=1"], tmp_path / "saved")
+    with open(tmp_path / "saved" / "checkpoints" / "1" / "meta" / "metadata") as f:
+        assert json.load(f)["layer_order"] == [0, 2, 1, 3]
+    shutil.copytree(tmp_path / "saved", tmp_path / "copy")
+    train([*common, *circular, "train.steps=2"], tmp_path / "saved")  # resumed by the same schedule
+    train([*common, "train.grad_accum_steps=2", "train.steps=2"], tmp_path / "copy")  # ... and by none
+    assert losses(tmp_path / "copy")[2] == pytest.approx(losses(tmp_path / "saved")[2], rel=1e-5)
+    loaded = {}
+    for name, schedule in (("flat", ["train.grad_accum_steps=2"]), ("circular", circular)):
+        train([*common, *schedule, "train.steps=1", f"checkpoint.load_params_from={tmp_path / 'saved'}",
+               "checkpoint.enabled=false"], tmp_path / name)
+        loaded[name] = losses(tmp_path / name)[1]
+    assert loaded["flat"] == pytest.approx(loaded["circular"], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["configs/llama3_1.py:tiny", "mesh.ici.stage=4", "mesh.ici.fsdp=2"],
+     "the pipelined stack's 2 layers do not split into mesh stage 4 x mesh.pipeline.repeats=1"),
+    ([*LLAMA, "mesh.ici.stage=2", "mesh.ici.fsdp=4", "remat.groups.first.layers=0-1",
+      "remat.groups.first.policy=minimal"], "the pipelined layer group 'decoder' runs under one remat/offload policy"),
+    ([*LLAMA, "mesh.pipeline.repeats=2"], "mesh.pipeline.* is set but mesh.ici.stage = mesh.dcn.stage = 1"),
+    ([*LLAMA, "mesh.ici.stage=2", "mesh.pipeline.microbatches=2", "train.grad_accum_steps=2"],
+     "set one of them"),
+])
+def test_what_the_schedule_cannot_run_is_one_line(overrides, expected, tmp_path):
+    result = run_cli(["train.py", *overrides, "run.dry_run=true", f"run.output_dir={tmp_path}"], env=EIGHT)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not os.listdir(tmp_path)
