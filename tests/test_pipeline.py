@@ -1,6 +1,7 @@
 """Pipeline stages (mesh.ici/dcn.stage, mesh.pipeline.*; parallel/pipeline.py): a step on 8 CPU devices split
 into stages equals one device's step of the same rows, in loss, gradients and model state (Llama tiny and DeepSeek
-tiny with MTP, stage2 x fsdp4, stage4 x fsdp2, stage2 x repeats2, stage2 x expert4); train.py runs it with the same
+tiny with MTP, stage2 x fsdp4, stage4 x fsdp2, stage2 x repeats2, stage2 x expert4), and the timeline of its
+compiled program shows the schedule's bubble and the ppermutes; train.py runs it with the same
 losses as without stages; a checkpoint resumes, and its weights load, under another schedule; what the schedule
 cannot run is one line and exit 2."""
 import json
@@ -56,6 +57,14 @@ def test_stages_equal_one_device():
         stages, repeats = (4, 1) if "stage4" in name else (2, 2 if "repeats2" in name else 1)
         assert diff["iterations"] == repeats * M + stages - 1, (name, diff)
         assert diff["bubble"] == pytest.approx((stages - 1) / (repeats * M + stages - 1)), (name, diff)
+        # the timeline of the compiled program finds both passes' loops with the schedule's trip count; their
+        # iterations cost alike, so the bubble it predicts is the schedule's; ppermute carries the activations
+        timeline, iterations = diff["timeline"], repeats * M + stages - 1
+        assert sorted(timeline["loops"].values()) == [iterations, iterations], (name, timeline)
+        assert timeline["bubble_fraction"] == pytest.approx(diff["bubble"], rel=1e-3), (name, timeline)
+        assert timeline["ppermute_bytes"] > 0 and timeline["working_s"] > 0, (name, timeline)
+        assert diff["trace_iterations"] == 2 * iterations, (name, diff)
+        assert diff["trace_bubbles"] == 2 * (stages - 1), (name, diff)
         if name.startswith("deepseek"):  # router biases from the whole step's loads; MTP and balance losses
             assert diff["state"] == 0.0 and diff["state_leaves"] >= 2 and diff["state_moved"] > 0, (name, diff)
             assert {"mtp_loss", "moe/balance_loss", "moe/max_load"} <= set(diff["metrics"]), (name, diff)

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from MaxOffload.errors import ConfigError
 
 AXIS = "stage"
+SCOPE = "pipeline"  # the name scope of the iterations' loop: the timeline finds the pipeline's loops by it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,12 @@ class Pipeline:
     def bubble(self):
         """The fraction of each stage's iterations it idles: (S - 1) / (R M + S - 1) for M >= S."""
         return 1.0 - self.repeats * self.microbatches / self.iterations
+
+    def work(self, t, stage=0):
+        """(micro-batch, repeat) that `stage` runs at iteration t (of the forward pass; the backward pass runs the
+        iterations in reverse), or None where it idles: the bubble."""
+        m, r = (t - stage) % self.padded, (t - stage) // self.padded
+        return None if t < stage or r >= self.repeats or m >= self.microbatches else (m, r)
 
     def per_stage(self, layers):
         """Layers of one virtual stage; ConfigError when the stack does not split evenly."""
@@ -106,14 +113,15 @@ def run(pipeline, mesh, stage_fn, weights, x, positions):
             repeat = jnp.clip(r, 0, R - 1)
             h, layer_outs = stage_fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, keepdims=False), w),
                                      h, per_row)
-            working = (t - s >= 0) & (r < R) & (m < M)
+            working = (t - s >= 0) & (r < R) & (m < M)  # as Pipeline.work says
             outs = jax.tree.map(lambda acc, o: jax.lax.dynamic_update_index_in_dim(
                 acc, jax.lax.dynamic_index_in_dim(acc, repeat, keepdims=False)
                 + jnp.where(working, o, jnp.zeros_like(o)), repeat, 0), outs, layer_outs)
             return (jax.lax.ppermute(h, AXIS, forward), kept, outs), None
 
         start = (jnp.zeros_like(inputs[0]), jnp.zeros_like(inputs), outs)
-        (arrived, kept, outs), _ = jax.lax.scan(iteration, start, jnp.arange(pipeline.iterations))
+        with jax.named_scope(SCOPE):
+            (arrived, kept, outs), _ = jax.lax.scan(iteration, start, jnp.arange(pipeline.iterations))
         # the last micro-batch's last repeat arrives at stage 0 after the loop
         kept = jax.lax.dynamic_update_index_in_dim(kept, arrived, (pipeline.iterations - S) % Mp, 0)
         outs = jax.tree.map(lambda a: a.reshape(R * per, *a.shape[2:]), outs)

@@ -5,10 +5,19 @@ import re
 
 from MaxOffload import hardware
 from MaxOffload.models import components
+from MaxOffload.parallel import pipeline
 
 COMPUTE, D2H, H2D, COLLECTIVE = "compute", "d2h", "h2d", "collective"
 ENGINES = (COMPUTE, D2H, H2D, COLLECTIVE)
 SEGMENT = re.compile(r"layers_\d+_\d+")  # a layer segment in an op name
+PIPELINE_LOOP = re.compile(rf"(^|/){pipeline.SCOPE}\)*/while$")  # the op name of the pipeline's iterations' loop
+
+
+def pipeline_pass(op_name):
+    """"forward" or "backward" for the op name of a pipeline stages' loop (parallel/pipeline.py), else None."""
+    if not PIPELINE_LOOP.search(op_name):
+        return None
+    return "backward" if "transpose(" in op_name else "forward"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import math
 import re
 
 from MaxOffload import audit, hlo
-from MaxOffload.timeline.engines import D2H, H2D, SEGMENT
+from MaxOffload.timeline.engines import D2H, H2D, SEGMENT, pipeline_pass
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
         "partition-id", "replica-id", "add-dependency", "domain", "get-dimension-size"}
@@ -88,8 +88,15 @@ def collective_kind(opcode):
     return None
 
 
+PIPELINE = "pipeline"  # loop_label's first word for the pipeline stages' loops
+
+
 def loop_label(ins):
-    """A while loop's name for people: its layer segment and pass (jax's scan over layers), else its HLO name."""
+    """A while loop's name for people: its layer segment and pass (jax's scan over layers), the pipeline stages'
+    iterations and pass, else its HLO name."""
+    stages = pipeline_pass(ins.op_name)
+    if stages:
+        return f"{PIPELINE} {stages} ({ins.name})"
     segment = SEGMENT.findall(ins.op_name)
     if not segment:
         return ins.name

@@ -9,11 +9,13 @@ class Simulation:
     """The engines' clocks and queues while the schedule runs, and the events they ran (`events`), each loop
     iteration's span (`windows`) and the loops run once for want of a trip count (`unknown_trip_counts`)."""
 
-    def __init__(self, module, rates, devices=1, work=None, domains=None):
+    def __init__(self, module, rates, devices=1, work=None, domains=None, pipeline=None):
         """`work`: see schedule.Schedule (shared by simulations of the same module); `domains`: the NVLink domain
         of each device of the program's device assignment (replica-group ids index it; default: consecutive blocks
-        of rates.domain)."""
+        of rates.domain); `pipeline`: the step's parallel/pipeline.Pipeline, if it has stages (what its loops'
+        iterations run: summary.pipeline_figures, trace)."""
         self.schedule = schedule.Schedule(module, work)
+        self.pipeline = pipeline
         self.rates, self.devices = rates, devices
         self.domains = domains
         self.clock = 0.0  # the compute stream
@@ -175,11 +177,11 @@ class Simulation:
         return end
 
 
-def simulate(text, rates, devices=1, model_flops_per_device=None, work=None, domains=None):
+def simulate(text, rates, devices=1, model_flops_per_device=None, work=None, domains=None, pipeline=None):
     """The predicted timeline of a compiled step (its optimized HLO text, or a parsed hlo.Module) on `rates`:
-    (report dict, Simulation with its events). `work`, `domains`: see Simulation."""
+    (report dict, Simulation with its events). `work`, `domains`, `pipeline`: see Simulation."""
     module = hlo.parse(text) if isinstance(text, str) else text
-    sim = Simulation(module, rates, devices, work, domains)
+    sim = Simulation(module, rates, devices, work, domains, pipeline)
     sim.run(module.entry)
     step = sim.finish()
     return summary.summarize(sim, step, model_flops_per_device), sim
@@ -190,4 +192,4 @@ def of_compiled(compiled, setup, rates):
     module = compiled if isinstance(compiled, hlo.Module) else hlo.parse(compiled.as_text())
     domains = [d.id // rates.domain for d in setup.mesh.devices.flat]  # the device assignment's order
     return simulate(module, rates, setup.mesh.size, sum(audit.model_flops_per_device(setup).values()),
-                    domains=domains)
+                    domains=domains, pipeline=setup.pipeline)

@@ -3,7 +3,8 @@ planner ranks by) and their lines for people (format_report)."""
 import collections
 
 from MaxOffload import hardware
-from MaxOffload.timeline.engines import COLLECTIVE, COMPUTE, D2H, H2D
+from MaxOffload.timeline.engines import COLLECTIVE, COMPUTE, D2H, H2D, pipeline_pass
+from MaxOffload.timeline.schedule import PIPELINE
 
 
 def summarize(sim, step, model_flops_per_device=None):
@@ -49,10 +50,41 @@ def summarize(sim, step, model_flops_per_device=None):
                                 for k, c in sorted(kinds.items(), key=lambda kc: -kc[1]["s"])},
         "model_tflops_per_device": None, "mfu": None,
     }
+    report["pipeline"] = pipeline_figures(sim)
     if model_flops_per_device:
         report["model_tflops_per_device"] = model_flops_per_device / step / 1e12
         report["mfu"] = model_flops_per_device / step / mixed_peak(sim.rates, report)
     return report
+
+
+def pipeline_iterations(sim):
+    """[(loop label, pass, forward iteration t, start, end)] of the pipeline stages' loops' iterations as the
+    simulation ran them (the backward pass runs the forward's iterations in reverse)."""
+    spans = [(label, i, start, end) for label, i, start, end in sim.windows if label.startswith(PIPELINE + " ")]
+    trips = collections.Counter(label for label, *_ in spans)
+    return [(label, label.split()[1], i if label.split()[1] == "forward" else trips[label] - 1 - i, start, end)
+            for label, i, start, end in spans]
+
+
+def pipeline_figures(sim):
+    """The pipeline stages' part of the step (None without stages): the time of its loops' iterations, of those
+    in which stage 0 idles (the bubble: every stage idles as many, its own), the collective-permutes that carry
+    the activations between stages (their time and what of it compute waited for) and the schedule's own bubble,
+    (S - 1) / (R M + S - 1), beside the simulated one."""
+    schedule = getattr(sim, "pipeline", None)
+    if schedule is None:
+        return None
+    iterations = pipeline_iterations(sim)
+    loop_s = sum(end - start for *_, start, end in iterations)
+    bubble_s = sum(end - start for _, _, t, start, end in iterations if schedule.work(t) is None)
+    permutes = [e for e in sim.events if e.engine == COLLECTIVE and e.kind == "collective-permute"
+                and pipeline_pass(e.loop)]
+    passes = collections.Counter(label for label, *_ in iterations)
+    return {"stages": schedule.stages, "repeats": schedule.repeats, "microbatches": schedule.microbatches,
+            "iterations": schedule.iterations, "loops": dict(passes), "loop_s": loop_s, "bubble_s": bubble_s,
+            "bubble_fraction": bubble_s / loop_s if loop_s else None, "schedule_bubble": schedule.bubble,
+            "working_s": loop_s - bubble_s, "ppermute_s": sum(e.end - e.start for e in permutes),
+            "ppermute_exposed_s": sum(e.stall for e in permutes), "ppermute_bytes": sum(e.bytes for e in permutes)}
 
 
 def mixed_peak(rates, report):
@@ -77,6 +109,14 @@ def format_report(r):
     if r["model_tflops_per_device"]:
         lines.append(f"  predicted {r['model_tflops_per_device']:,.1f} model TFLOP/s per device, MFU "
                      f"{r['mfu']:.1%}")
+    p = r.get("pipeline")
+    if p:
+        fraction = "n/a" if p["bubble_fraction"] is None else f"{p['bubble_fraction']:.1%}"
+        lines.append(f"  pipeline: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} micro-batches, "
+                     f"{p['iterations']} iterations a pass; its loops {_ms(p['loop_s'])}, of which the bubble "
+                     f"{_ms(p['bubble_s'])} ({fraction}; the schedule's {p['schedule_bubble']:.1%}) and each stage's "
+                     f"work {_ms(p['working_s'])}; ppermute {_gb(p['ppermute_bytes'])} in {_ms(p['ppermute_s'])} "
+                     f"({_ms(p['ppermute_exposed_s'])} exposed)")
     if r.get("compute_by_part_s"):
         lines.append("  compute by part: " + ", ".join(f"{part} {_ms(t)}" for part, t in
                                                       list(r["compute_by_part_s"].items())[:6]))

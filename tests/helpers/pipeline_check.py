@@ -2,7 +2,9 @@
 for each case, a step's gradients on the case's mesh (stage axis, M micro-batches) and on one device (one batch of
 the same M micro-batches' rows). Prints JSON {case: {"loss": rel diff, "grads": rel diff, "init": max abs diff of
 the initial parameters, "state": max abs diff of the model state after the step, "state_moved": how far that state
-moved, "bubble": the schedule's, "metrics": the pipelined step's metric names}}.
+moved, "bubble": the schedule's, "timeline": the pipeline's figures in the timeline of the staged gradients' compiled
+program (timeline/summary.pipeline_figures, on an H200's rates), "trace_iterations" / "trace_bubbles": its
+Perfetto trace's pipeline track, "metrics": the pipelined step's metric names}}.
 
 argv[1]: JSON {case: [config overrides]}; the stacks' layers stored in the pipeline's order (mesh.pipeline.repeats
 > 1) are compared in the model's order."""
@@ -17,8 +19,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from MaxOffload import data, from_config, models  # noqa: E402
+from MaxOffload import data, from_config, hardware, models  # noqa: E402
 from MaxOffload.config import load  # noqa: E402
+from MaxOffload.timeline import engines, simulate, trace  # noqa: E402
 
 M, ROWS, SEQ = 4, 1, 16
 
@@ -72,8 +75,13 @@ def compare(overrides):
     parts = data.micro_batches(data.build(staged_cfg), 0, M)
     whole, whole_state, loss_1, aux_1, grads_1 = reference(model_overrides, parts)
     staged_state = staged.init_state()
-    loss_s, aux_s, grads_s = jax.jit(staged.gradients)(staged_state["params"], staged_state["model_state"],
-                                                       staged.put_step_batch(parts))
+    args = (staged_state["params"], staged_state["model_state"], staged.put_step_batch(parts))
+    compiled = jax.jit(staged.gradients).lower(*args).compile()
+    loss_s, aux_s, grads_s = compiled(*args)
+    # the timeline of that program (its gradients: the pipeline's loops, both passes) on an H200's rates
+    report, sim = simulate.simulate(compiled.as_text(), engines.Rates.of(hardware.ACCELERATORS["h200"]),
+                                    staged.mesh.size, pipeline=staged.pipeline)
+    track = [e["name"] for e in trace.trace(sim)["traceEvents"] if e.get("cat") == "pipeline"]
     state_1, state_s = aux_1.get("model_state", {}), in_model_order(aux_s.get("model_state", {}), staged)
     return {"loss": abs(float(loss_s) - float(loss_1)) / abs(float(loss_1)),
             "grads": relative(in_model_order(grads_s, staged), grads_1),
@@ -81,6 +89,8 @@ def compare(overrides):
             "state": max_abs(state_s, state_1), "state_leaves": len(jax.tree.leaves(state_1)),
             "state_moved": max_abs(state_1, whole_state["model_state"]),
             "bubble": staged.pipeline.bubble, "iterations": staged.pipeline.iterations,
+            "timeline": report["pipeline"], "trace_bubbles": sum(name.startswith("bubble") for name in track),
+            "trace_iterations": len(track),
             "metrics": sorted(aux_s.get("metrics", {}))}
 
 
