@@ -1,6 +1,7 @@
 """Pipeline stages (mesh.ici/dcn.stage, mesh.pipeline.*; parallel/pipeline.py): a step on 8 CPU devices split
 into stages equals one device's step of the same rows, in loss, gradients and model state (Llama tiny and DeepSeek
-tiny with MTP, stage2 x fsdp4, stage4 x fsdp2, stage2 x repeats2, stage2 x expert4), and the timeline of its
+tiny with MTP, stage2 x fsdp4, stage4 x fsdp2, stage2 x repeats2, stage2 x expert4 with offloaded activations and
+DeepSeek's token all-to-all, Llama's stage2 x context4), and the timeline of its
 compiled program shows the schedule's bubble and the ppermutes; train.py runs it with the same
 losses as without stages; a checkpoint resumes, and its weights load, under another schedule; what the schedule
 cannot run is one line and exit 2."""
@@ -26,6 +27,11 @@ MESHES = {"stage2 fsdp4": ["mesh.ici.stage=2", "mesh.ici.fsdp=4"],
           "stage4 fsdp2": ["mesh.ici.stage=4", "mesh.ici.fsdp=2"],
           "stage2 repeats2": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "mesh.pipeline.repeats=2"],
           "stage2 expert4": ["mesh.ici.stage=2", "mesh.ici.fsdp=1", "mesh.ici.expert=4"]}
+# what a stage composes with, on the same meshes: activations offloaded to the host inside the stages (Llama's q/k/v
+# projections; DeepSeek's routed experts' inputs, through the token all-to-all)
+COMPOSED = {"llama": ["remat.policy=qkv_proj_offloaded"],
+            "deepseek": ["mesh.exchange=all_to_all", "remat.groups.moe.layers=moe",
+                         "remat.groups.moe.tensors.moe_mlpwi_0=offload"]}
 M = 4  # tests/helpers/pipeline_check.py's micro-batches
 
 
@@ -44,8 +50,11 @@ def test_schedule():
 
 
 def test_stages_equal_one_device():
-    cases = {f"{family} {mesh}": [*model, *overrides] for family, model in (("llama", LLAMA), ("deepseek", DEEPSEEK))
-             for mesh, overrides in MESHES.items()}
+    cases = {f"{family} {mesh}": [*model, *overrides, *(COMPOSED[family] if "expert4" in mesh else ())]
+             for family, model in (("llama", LLAMA), ("deepseek", DEEPSEEK)) for mesh, overrides in MESHES.items()}
+    # ... and a sequence split over a context axis inside the stages
+    cases["llama stage2 context4"] = [*LLAMA, "mesh.ici.stage=2", "mesh.ici.fsdp=1", "mesh.ici.context=4",
+                                      "model.attention=xla"]
     helper = "tests/helpers/pipeline_check.py"
     result = subprocess.run([sys.executable, helper, json.dumps(cases)], cwd=ROOT, text=True, capture_output=True,
                             env=process_env([helper], EIGHT), timeout=1200)

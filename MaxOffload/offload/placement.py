@@ -106,15 +106,16 @@ def cuda_host_placements(module_text):
     return placements
 
 
-def bytes_per_device(aval, name, setup):
+def bytes_per_device(aval, name, setup, staged=False):
     """Bytes of one tagged activation on one device, split as the sharding rules split its logical
-    axes (dimensions an axis cannot divide evenly are counted whole)."""
+    axes (dimensions an axis cannot divide evenly are counted whole); `staged`: in the pipelined stack, where the
+    stage axis splits nothing (each stage holds its micro-batch whole: parallel/pipeline.py)."""
     from MaxOffload.parallel.logical import partition_spec, ways
 
     axes = names.ACTIVATION_AXES.get(name)
     if axes is None or len(axes) != len(aval.shape):
         axes = ("activation_batch",) + (None,) * (len(aval.shape) - 1)
-    spec = partition_spec(axes, setup.rules, setup.mesh.axis_names)
+    spec = partition_spec(axes, setup.rules, [a for a in setup.mesh.axis_names if not (staged and a == "stage")])
     count = 1
     for dim, entry in zip(aval.shape, spec):
         split = ways(setup.mesh, entry)
@@ -136,12 +137,14 @@ def activation_groups(cfg, setup):
     for segment in setup.plan.segments:
         requested = dict(segment.decisions)
         seen = found.get(segment.label, {})
-        layers = segment.stop - segment.start
+        # in the pipelined stack a device runs its stage's layers only, each micro-batch whole over the stage axis
+        staged = setup.pipeline is not None and segment.model_group == setup.model_config.pipelined_group()
+        layers = (segment.stop - segment.start) // (setup.pipeline.stages if staged else 1)
         entry = {"model_group": segment.model_group, "remat_group": segment.group or None,
                  "layers": [segment.start, segment.stop - 1], "offloaded": [], "saved": [], "remat": [],
                  "unused": [], "tensors": {}, "offload_bytes_per_device": 0, "missing": []}
         for name, (kind, aval) in seen.items():
-            per_device = bytes_per_device(aval, name, setup) * layers
+            per_device = bytes_per_device(aval, name, setup, staged) * layers
             entry["tensors"][name] = {"requested": requested[name], "result": kind, "shape": list(aval.shape),
                                       "dtype": str(aval.dtype), "bytes_per_device_per_step": per_device}
             if kind.startswith("offload"):

@@ -56,14 +56,20 @@ REFERENCES = {}
 
 def reference(model_overrides, parts):
     """(the one-device setup, its initial state, loss, aux and gradients of one batch of the micro-batches `parts`'
-    rows): one per model, shared by its cases (whose staged runs read the same micro-batches)."""
+    rows; under quant.mode of those micro-batches accumulated): one per model, shared by its cases (whose staged runs
+    read the same micro-batches)."""
     if model_overrides not in REFERENCES:
-        cfg = load([*model_overrides, f"train.per_device_batch_size={ROWS * jax.device_count() * M}"])
-        setup = from_config.train_setup(cfg, jax.devices()[:1])
+        rows = ROWS * jax.device_count()
+        if any(o.startswith("quant.mode=") for o in model_overrides):
+            # FP8's per-tensor scales are of each micro-batch's tensors: the same M micro-batches, accumulated
+            batch = [f"train.per_device_batch_size={rows}", f"train.grad_accum_steps={M}"]
+        else:
+            batch, parts = [f"train.per_device_batch_size={rows * M}"], \
+                [{k: np.concatenate([p[k] for p in parts]) for k in parts[0]}]
+        setup = from_config.train_setup(load([*model_overrides, *batch]), jax.devices()[:1])
         state = setup.init_state()
-        big = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         REFERENCES[model_overrides] = (setup, state, *jax.jit(setup.gradients)(
-            state["params"], state["model_state"], setup.put_step_batch([big])))
+            state["params"], state["model_state"], setup.put_step_batch(parts)))
     return REFERENCES[model_overrides]
 
 
