@@ -78,6 +78,7 @@ def build_report(cfg, plan, target, topology):
         "host_state_counted_from_shardings_bytes": dropped,
         "host_ram_per_gpu_bytes": accelerator.host_ram_per_gpu,
         "offloaded": {label: g["offloaded"] for label, g in groups.items()},
+        "group_notes": {label: g["note"] for label, g in groups.items() if g.get("note")},
         "offload_bytes_per_device_rules": sum(g["offload_bytes_per_device"] for g in groups.values()),
         "problems": problems, "compile_time_s": compile_time,
         "compiled_work": work, "timeline": predicted, "xla_preset": plan.xla_preset,
@@ -231,6 +232,8 @@ def format_report(r):
     lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'}")
     for label, names in r["offloaded"].items():
         lines.append(f"  {label}: offloaded {', '.join(names) or '-'}")
+        if r.get("group_notes", {}).get(label):
+            lines.append(f"    ({r['group_notes'][label]})")
     if r.get("compiled_work"):
         lines += [line for line in audit.format_audit(r["compiled_work"]) if not line.startswith("WARNING")]
     if r.get("timeline"):

@@ -53,6 +53,8 @@ def get_config(size="671b"):
         # activations): half the bytes over the link; their forward goes on with the FP8 values
         cfg.quant.fp8_storage = ["moe_mlpwi_0", "moe_mlpwi_1"]
         return cfg
+    if size == "671b_pp":  # pipeline stages: 256 GB200 (docs/parallelism.md, issue 45)
+        return pipelined_671b()
     if size == "671b_remat":  # the same layout, full rematerialization, no activation offloaded
         cfg = get_config("671b")
         cfg.run.output_dir += "_remat"
@@ -121,3 +123,26 @@ def get_config(size="671b"):
         cfg.mesh.ici.fsdp = -1
         cfg.remat.groups.moe.tensors.moe_mlpwo = "offload"
     return cfg
+
+
+def pipelined_671b():
+    """The 671b layout on four NVL72 racks (4 x 16 x 4 GB200) with a pipeline stage a pair of racks
+    (mesh.dcn.stage=2, mesh.dcn.data=2, 64 expert ranks a rack): the 58 MoE layers in 2 stages x 29 repeats
+    (virtual stages of one layer: the stages x repeats that divide 58), the 3 dense layers, the head and MTP on
+    every GPU. 4,096 sequences a step in 16 micro-batches of two sequences a GPU of a stage (bubble 1 / 465); the
+    backward pass gets each iteration's input (mesh.pipeline.remat=stages) and runs the MoE layer's forward again,
+    keeping all of it for its own backward. Megatron-Bridge's published layout is PP4 x VP4 (16 virtual stages,
+    uneven: not built here)."""
+    cfg = get_config("671b")
+    cfg.run.output_dir = "runs/deepseek_v3_671b_pp"
+    cfg.aot.topology = "4x16x4"
+    cfg.mesh.dcn.stage, cfg.mesh.dcn.data = 2, 2
+    cfg.mesh.pipeline.repeats, cfg.mesh.pipeline.remat = 29, "stages"
+    cfg.train.reduce_gradients = "per_micro_batch"  # the pipeline runs the step's micro-batches in one pass
+    # outside the stages the dense layers and the MTP block run on the whole step's batch at once (16 sequences a
+    # GPU): they keep their inputs only; the pipelined MoE layers keep all of one virtual stage's forward
+    reset_remat(cfg, "full")
+    add_layer_group(cfg, "moe", layers="moe", policy="save_all")
+    cfg.model.vocab_tiles = 0  # the loss over the step's 16 sequences a GPU by vocabulary tiles, not whole logits
+    return cfg
+

@@ -24,6 +24,8 @@ def get_config(size="8b"):
             # 135.0 GiB, 1.43x the model FLOPs (benchmarks/results/context_2026-12-04)
             long.xla.hlo_rematerialization = True
         return long
+    if size == "405b_pp":  # pipeline stages across the two racks (docs/parallelism.md, issue 45)
+        return pipelined_405b()
     if size.endswith("_fp8"):  # e.g. 405b_fp8: the same recipe with per-tensor FP8 GEMMs (docs/fp8.md)
         cfg = get_config(size[:-len("_fp8")])
         cfg.run.output_dir += "_fp8"
@@ -50,3 +52,25 @@ def get_config(size="8b"):
         # it fits, and vocabulary tiles (model.vocab_tiles=0) make the logits again in the backward pass
         cfg.model.vocab_tiles = 1
     return cfg
+
+
+def pipelined_405b():
+    """Llama 3.1 405B on 2 x NVL72 with a pipeline stage a rack (mesh.dcn.stage=2, FSDP over each rack's 64 GPUs):
+    the 126 layers in 2 stages x 7 repeats (virtual stages of 9 layers), 2,048 sequences a step in 16 micro-batches
+    of two sequences a GPU of a stage (bubble 1 / 113). Each iteration's input is all the backward pass gets of it
+    (mesh.pipeline.remat=stages: the 113 inputs, 512 MiB each); the backward pass runs each virtual stage's forward
+    again and keeps its dots but the MLP's for its own backward. The loss over the step's 16 sequences a GPU by
+    vocabulary tiles."""
+    from MaxOffload.config.defaults import reset_remat
+
+    cfg = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama3_1.py:405b"))
+    cfg.run.output_dir = "runs/llama3_1_405b_pp"
+    cfg.aot.topology = "2x16x4"
+    cfg.mesh.dcn.stage, cfg.mesh.ici.fsdp = 2, -1
+    cfg.mesh.pipeline.repeats, cfg.mesh.pipeline.remat = 7, "stages"
+    cfg.train.global_batch_size = 2048
+    reset_remat(cfg, "save_dot_except_mlp")
+    cfg.xla.hlo_rematerialization = False
+    cfg.model.vocab_tiles = 0
+    return cfg
+

@@ -109,6 +109,11 @@ SCHEMA = {
             "repeats": (1, "virtual stages per stage (circular pipeline): the pipelined layers split into stage x "
                            "repeats pieces, a micro-batch passing every stage `repeats` times; the bubble is "
                            "(stage - 1) / (repeats x microbatches + stage - 1)"),
+            "remat": ("layers", "what the backward pass gets of each pipeline iteration: layers (what the "
+                                "pipelined layers' remat/offload policy keeps, for all of a step's micro-batches at "
+                                "once) | stages (each iteration's input alone, in HBM; the virtual stage's forward "
+                                "runs again in the backward pass, under the layers' policy: a stage's activation "
+                                "memory no longer grows with the micro-batches)"),
         },
     },
     "distributed": {

@@ -273,6 +273,7 @@ def validate(cfg):
 
 def _validate_pipeline(cfg):
     pipeline, train = cfg.mesh.pipeline, cfg.train
+    _choice("mesh.pipeline.remat", pipeline.remat, ("layers", "stages"))
     _require(pipeline.repeats >= 1, f"mesh.pipeline.repeats={pipeline.repeats} must be >= 1 (1: no virtual stages)")
     _require(pipeline.microbatches >= 0, f"mesh.pipeline.microbatches={pipeline.microbatches} must be >= 0 "
                                          "(0: train.grad_accum_steps)")
@@ -280,7 +281,7 @@ def _validate_pipeline(cfg):
              f"mesh.pipeline.microbatches={pipeline.microbatches} sets the step's micro-batches, which "
              "train.grad_accum_steps / train.global_batch_size set too; set one of them")
     stage = (cfg.mesh.ici.stage, cfg.mesh.dcn.stage)
-    _require(stage != (1, 1) or (pipeline.repeats == 1 and not pipeline.microbatches),
+    _require(stage != (1, 1) or (pipeline.repeats == 1 and not pipeline.microbatches and pipeline.remat == "layers"),
              "mesh.pipeline.* is set but mesh.ici.stage = mesh.dcn.stage = 1: give the stage axis a size > 1, or "
              "leave mesh.pipeline alone")
 

@@ -29,6 +29,8 @@ def format_report(report):
         who = f"remat.groups.{g['remat_group']}" if g["remat_group"] else "remat.policy / remat.tensors"
         lines.append(f"layers {g['layers'][0]}-{g['layers'][1]} ({g['model_group']}; {who}): "
                      f"offloaded {_mb(g['offload_bytes_per_device'])} {per}")
+        if g.get("note"):
+            lines.append(f"  ({g['note']})")
         lines.append(f"  {'tensor':<20} {'requested':<9} {'result':<8} {'shape per layer':<22} {'dtype':<9} "
                      f"size/device/step")
         for name, t in g["tensors"].items():

@@ -140,9 +140,13 @@ def activation_groups(cfg, setup):
         # in the pipelined stack a device runs its stage's layers only, each micro-batch whole over the stage axis
         staged = setup.pipeline is not None and segment.model_group == setup.model_config.pipelined_group()
         layers = (segment.stop - segment.start) // (setup.pipeline.stages if staged else 1)
+        restaged = staged and setup.pipeline.remat == "stages"
         entry = {"model_group": segment.model_group, "remat_group": segment.group or None,
                  "layers": [segment.start, segment.stop - 1], "offloaded": [], "saved": [], "remat": [],
                  "unused": [], "tensors": {}, "offload_bytes_per_device": 0, "missing": []}
+        if restaged:
+            entry["note"] = ("mesh.pipeline.remat=stages: the backward pass gets each pipeline iteration's input only; "
+                             "the policy applies to the virtual stage's forward run again in the backward pass")
         for name, (kind, aval) in seen.items():
             per_device = bytes_per_device(aval, name, setup, staged) * layers
             entry["tensors"][name] = {"requested": requested[name], "result": kind, "shape": list(aval.shape),
@@ -154,7 +158,9 @@ def activation_groups(cfg, setup):
                     entry["offload_bytes_per_device"] += 4 * layers
                     expected_placements.append(FP8_SCALE)
             entry["offloaded" if kind.startswith("offload") else "saved" if kind == "device" else kind].append(name)
-            if not _as_requested(name, requested[name], kind):
+            # mesh.pipeline.remat=stages: the backward pass gets each iteration's input only; the policy decides what
+            # the stage's forward, run again there, keeps for its own backward
+            if not _as_requested(name, requested[name], kind) and not (restaged and kind == "remat"):
                 problems.append(f"{segment.label}: {name} requested {requested[name]}, got {kind}"
                                 + (" (the layer input is the scan carry; a host copy that is also kept in HBM "
                                    "saves nothing, cf. jax#23869)" if name in names.ALWAYS_KEPT else ""))

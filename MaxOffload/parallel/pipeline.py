@@ -29,6 +29,10 @@ class Pipeline:
     stages: int
     repeats: int = 1
     microbatches: int = 1  # of a step's batch (the step's micro-batches: gradient accumulation)
+    # what the backward pass gets of each iteration: "layers" (what the pipelined layers' remat/offload policy keeps,
+    # for all micro-batches at once) | "stages" (each iteration's input alone, kept in HBM; the virtual stage's
+    # forward runs again in the backward pass, under the layers' policy)
+    remat: str = "layers"
 
     @property
     def padded(self):
@@ -69,7 +73,8 @@ class Pipeline:
 
     def describe(self):
         return (f"pipeline: {self.stages} stages x {self.repeats} repeats, {self.microbatches} micro-batches a step, "
-                f"bubble {self.bubble:.1%}")
+                f"bubble {self.bubble:.1%}" + (", each stage's forward again in the backward pass (remat=stages)"
+                                               if self.remat == "stages" else ""))
 
 
 def run(pipeline, mesh, stage_fn, weights, x, positions):
@@ -99,6 +104,13 @@ def run(pipeline, mesh, stage_fn, weights, x, positions):
         shapes = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], w), inputs[0], per_row)[1]
         outs = jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), shapes)
 
+        def virtual_stage(w, repeat, h, per_row):
+            return stage_fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, keepdims=False), w), h,
+                            per_row)
+
+        if pipeline.remat == "stages":  # the stage's stored weights are the loop's invariants: saved once
+            virtual_stage = jax.checkpoint(virtual_stage, policy=jax.checkpoint_policies.nothing_saveable)
+
         def iteration(carry, t):
             arrived, kept, outs = carry  # arrived: what the previous stage sent at t - 1
             # stage 0 keeps what stage S-1 finished at t - 1: micro-batch (t - S) mod M', for its next repeat
@@ -111,8 +123,7 @@ def run(pipeline, mesh, stage_fn, weights, x, positions):
                             jax.lax.dynamic_index_in_dim(kept, m, keepdims=False))
             h = jnp.where(first, own, arrived)
             repeat = jnp.clip(r, 0, R - 1)
-            h, layer_outs = stage_fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, keepdims=False), w),
-                                     h, per_row)
+            h, layer_outs = virtual_stage(w, repeat, h, per_row)
             working = (t - s >= 0) & (r < R) & (m < M)  # as Pipeline.work says
             outs = jax.tree.map(lambda acc, o: jax.lax.dynamic_update_index_in_dim(
                 acc, jax.lax.dynamic_index_in_dim(acc, repeat, keepdims=False)

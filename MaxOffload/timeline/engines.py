@@ -13,11 +13,17 @@ SEGMENT = re.compile(r"layers_\d+_\d+")  # a layer segment in an op name
 PIPELINE_LOOP = re.compile(rf"(^|/){pipeline.SCOPE}\)*/while$")  # the op name of the pipeline's iterations' loop
 
 
-def pipeline_pass(op_name):
-    """"forward" or "backward" for the op name of a pipeline stages' loop (parallel/pipeline.py), else None."""
-    if not PIPELINE_LOOP.search(op_name):
+# the op name of an instruction of that loop's body itself (not of a loop nested in it)
+PIPELINE_BODY = re.compile(rf"(^|/){pipeline.SCOPE}\)*/while/body/(?!.*/while/body)")
+
+
+def pipeline_pass(op_name, body=False):
+    """"forward" or "backward" for the op name of a pipeline stages' loop (parallel/pipeline.py) or, body=True, of an
+    instruction of its body; else None."""
+    found = (PIPELINE_BODY if body else PIPELINE_LOOP).search(op_name)
+    if not found:
         return None
-    return "backward" if "transpose(" in op_name else "forward"
+    return "backward" if "transpose(" in op_name[:found.end()] else "forward"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,10 +91,13 @@ def collective_kind(opcode):
 PIPELINE = "pipeline"  # loop_label's first word for the pipeline stages' loops
 
 
-def loop_label(ins):
+def loop_label(ins, module=None):
     """A while loop's name for people: its layer segment and pass (jax's scan over layers), the pipeline stages'
-    iterations and pass, else its HLO name."""
-    stages = pipeline_pass(ins.op_name)
+    iterations and pass, else its HLO name. A loop XLA rebuilt (unrolled, double-buffered) has no op name: with the
+    module, its body's instructions name the pipeline's loop."""
+    stages = pipeline_pass(ins.op_name) or (not ins.op_name and module is not None and next(
+        (p for p in (pipeline_pass(i.op_name, body=True) for i in module.computations.get(ins.called("body"), ()))
+         if p), None))
     if stages:
         return f"{PIPELINE} {stages} ({ins.name})"
     segment = SEGMENT.findall(ins.op_name)

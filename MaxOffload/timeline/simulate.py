@@ -40,11 +40,12 @@ class Simulation:
             if trips is None:
                 self.unknown_trip_counts.append(ins.op_name or ins.name)
             self.loops.append(ins.op_name)
+            label = schedule.loop_label(ins, self.schedule.module)
             for i in range(trips or 1):
                 started = self.clock
                 self.run(ins.called("condition"))
                 self.run(ins.called("body"))
-                self.windows.append((schedule.loop_label(ins), i, started, self.clock))
+                self.windows.append((label, i, started, self.clock))
             self.loops.pop()
             return
         if op == "conditional":

@@ -59,31 +59,50 @@ def summarize(sim, step, model_flops_per_device=None):
 
 def pipeline_iterations(sim):
     """[(loop label, pass, forward iteration t, start, end)] of the pipeline stages' loops' iterations as the
-    simulation ran them (the backward pass runs the forward's iterations in reverse)."""
+    simulation ran them (the backward pass runs the forward's iterations in reverse). XLA may unroll a loop (each
+    trip then runs several iterations: T // trips, its span split evenly between them) and peel an iteration out
+    of it (run outside the loop: not listed)."""
     spans = [(label, i, start, end) for label, i, start, end in sim.windows if label.startswith(PIPELINE + " ")]
     trips = collections.Counter(label for label, *_ in spans)
-    return [(label, label.split()[1], i if label.split()[1] == "forward" else trips[label] - 1 - i, start, end)
-            for label, i, start, end in spans]
+    total = sim.pipeline.iterations
+    found = []
+    for label, i, start, end in spans:
+        direction, per = label.split()[1], max(1, total // trips[label])
+        for k in range(per):
+            t = i * per + k
+            t = t if direction == "forward" else trips[label] * per - 1 - t
+            found.append((label, direction, t, start + (end - start) * k / per, start + (end - start) * (k + 1) / per))
+    return found
 
 
 def pipeline_figures(sim):
     """The pipeline stages' part of the step (None without stages): the time of its loops' iterations, of those
-    in which stage 0 idles (the bubble: every stage idles as many, its own), the collective-permutes that carry
-    the activations between stages (their time and what of it compute waited for) and the schedule's own bubble,
+    in which a stage idles (the bubble: the mean over the stages of their idle iterations' time; an iteration XLA
+    peeled out of a loop counts at that loop's mean iteration time), the collective-permutes that carry the
+    activations between stages (their time and what of it compute waited for) and the schedule's own bubble,
     (S - 1) / (R M + S - 1), beside the simulated one."""
     schedule = getattr(sim, "pipeline", None)
     if schedule is None:
         return None
-    iterations = pipeline_iterations(sim)
-    loop_s = sum(end - start for *_, start, end in iterations)
-    bubble_s = sum(end - start for _, _, t, start, end in iterations if schedule.work(t) is None)
+    durations = collections.defaultdict(dict)  # pass label -> {iteration: seconds}
+    for label, _, t, start, end in pipeline_iterations(sim):
+        durations[label][t] = end - start
+    peeled = 0
+    for label, found in durations.items():
+        mean = sum(found.values()) / len(found)
+        missing = [t for t in range(schedule.iterations) if t not in found]
+        peeled += len(missing)
+        found.update({t: mean for t in missing})
+    loop_s = sum(sum(found.values()) for found in durations.values())
+    bubble_s = sum(seconds for found in durations.values() for stage in range(schedule.stages)
+                   for t, seconds in found.items() if schedule.work(t, stage) is None) / schedule.stages
     permutes = [e for e in sim.events if e.engine == COLLECTIVE and e.kind == "collective-permute"
-                and pipeline_pass(e.loop)]
-    passes = collections.Counter(label for label, *_ in iterations)
+                and pipeline_pass(e.op_name, body=True)]
     return {"stages": schedule.stages, "repeats": schedule.repeats, "microbatches": schedule.microbatches,
-            "iterations": schedule.iterations, "loops": dict(passes), "loop_s": loop_s, "bubble_s": bubble_s,
-            "bubble_fraction": bubble_s / loop_s if loop_s else None, "schedule_bubble": schedule.bubble,
-            "working_s": loop_s - bubble_s, "ppermute_s": sum(e.end - e.start for e in permutes),
+            "iterations": schedule.iterations, "loops": sorted(durations), "peeled_iterations": peeled,
+            "loop_s": loop_s, "bubble_s": bubble_s, "bubble_fraction": bubble_s / loop_s if loop_s else None,
+            "schedule_bubble": schedule.bubble, "working_s": loop_s - bubble_s,
+            "ppermute_s": sum(e.end - e.start for e in permutes),
             "ppermute_exposed_s": sum(e.stall for e in permutes), "ppermute_bytes": sum(e.bytes for e in permutes)}
 
 

@@ -112,6 +112,7 @@ class StepSpec:
     # with a stage mesh axis: the virtual stages per stage (mesh.pipeline.repeats); the step's micro-batches are the
     # pipeline's
     pipeline_repeats: int = 1
+    pipeline_remat: str = "layers"  # parallel/pipeline.Pipeline.remat
 
 
 class TrainSetup:
@@ -172,7 +173,7 @@ class TrainSetup:
         stages = spec.mesh.shape["stage"]
         if stages == 1:
             return None
-        schedule = Pipeline(stages, spec.pipeline_repeats, spec.micro_batches)
+        schedule = Pipeline(stages, spec.pipeline_repeats, spec.micro_batches, spec.pipeline_remat)
         group = spec.model_config.pipelined_group()
         start, stop = spec.model_config.layer_groups().get(group, (0, 0))
         if stop == start:
