@@ -34,7 +34,7 @@ def pytest_configure(config):
 # whole files to the two workers in collection order (pytest_configure turns off xdist's own reordering, by the
 # number of tests in a file), so the long files start first and the workers can finish together instead of one
 # running the last long file alone. Unlisted files come after, in name order.
-LONGEST_FIRST = ["test_deepseek.py", "test_planner.py", "test_fp8.py", "test_grad_accum.py", "test_checkpoint.py",
+LONGEST_FIRST = ["test_deepseek.py", "test_pipeline.py", "test_planner.py", "test_fp8.py", "test_grad_accum.py", "test_checkpoint.py",
                  "test_offload.py", "test_aot.py", "test_mtp.py", "test_parallel.py", "test_model.py",
                  "test_slurm.py", "test_planner_hbm.py", "test_convert_hf.py", "test_moe_parts.py", "test_cli.py",
                  "test_training.py", "test_timeline.py", "test_convert.py", "test_family.py", "test_profile.py",
