@@ -8,6 +8,7 @@ import contextlib
 import os
 
 from MaxOffload.errors import ConfigError
+from MaxOffload.parallel import consensus
 
 
 def _slurm():
@@ -98,4 +99,5 @@ def initialize(cfg):
     except Exception as e:  # a runtime failure, reported in one line
         raise ConfigError(f"distributed start-up failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}); check "
                           f"that all processes started and reach the coordinator within {timeout} s") from None
+    consensus.agree(consensus.fingerprint(cfg.to_dict()), jax.process_index(), jax.process_count(), timeout)
     return jax.process_index(), jax.process_count()

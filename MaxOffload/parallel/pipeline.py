@@ -7,9 +7,9 @@ With S stages, R repeats and L layers, virtual stage v = r * S + s (repeat r, st
 next repeat's layers. Stage s stores its R virtual stages' layers contiguously (`order`), so the stack's leading
 axis splits over the stage axis in blocks. At iteration t stage s runs micro-batch (t - s) mod M of repeat
 (t - s) // M; the run takes T = R M' + S - 1 iterations (M' = M; with repeats max(M, S): fewer micro-batches than
-stages are padded with idle ones), of which each stage works R M: the bubble, (T - R M) / T, is (S - 1) / (R M + S - 1) for
-M >= S. Stage S-1's output reaches stage 0 by the same ppermute; stage 0 keeps it until that micro-batch's next
-repeat (M >= S iterations later) and, after the last repeat, as the stack's output.
+stages are padded with idle ones), of which each stage works R M: the bubble, (T - R M) / T, is
+(S - 1) / (R M + S - 1) for M >= S. Stage S-1's output reaches stage 0 by the same ppermute; stage 0 keeps it
+until that micro-batch's next repeat (M >= S iterations later) and, after the last repeat, as the stack's output.
 """
 import dataclasses
 
@@ -138,9 +138,10 @@ def run(pipeline, mesh, stage_fn, weights, x, positions):
         outs = jax.tree.map(lambda a: a.reshape(R * per, *a.shape[2:]), outs)
         return kept[None], outs
 
-    # the micro-batches enter every stage in float32: their gradient is summed over the stages (XLA:CPU fails to
-    # compile that all-reduce in bfloat16)
+    # the micro-batches enter every stage; their gradient is summed over the stages, on CPUs in float32 (XLA:CPU
+    # fails to compile that all-reduce in bfloat16: "Invalid binary instruction opcode copy")
+    carried = jnp.float32 if getattr(mesh.devices.flat[0], "platform", "cpu") == "cpu" else micro.dtype
     kept, outs = jax.shard_map(stage, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS), P(AXIS)),
-                               axis_names={AXIS}, check_vma=False)(weights, micro.astype(jnp.float32), per_row)
+                               axis_names={AXIS}, check_vma=False)(weights, micro.astype(carried), per_row)
     out = kept[0][:M].swapaxes(0, 1).reshape(batch, length, emb).astype(x.dtype)  # stage 0's: the stack's output
     return out, outs
