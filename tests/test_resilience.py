@@ -1,7 +1,9 @@
 """Faults of a job of many processes (docs/faults.md, issue 48): processes started with different configs end at
 the start, each in one line naming the differing keys and the processes, exit 2, nothing written
-(MaxOffload/parallel/consensus.py)."""
+(MaxOffload/parallel/consensus.py); a process that stops answering mid-run is named by the others within half the
+heartbeat timeout, and a section past its timeout ends the run in one line (MaxOffload/parallel/watchdog.py)."""
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +13,7 @@ import pytest
 from conftest import ROOT
 from test_slurm import TINY, cpu_env, free_port_pair
 from MaxOffload.errors import ConfigError
-from MaxOffload.parallel import consensus
+from MaxOffload.parallel import consensus, watchdog
 
 pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
@@ -71,3 +73,62 @@ def test_fingerprints_differ_by_code_and_jax_and_the_line_names_them():
         consensus.agree(mine, 0, 2, timeout_s=1, client=client)
     assert client.barriers == ["maxoffload_fingerprints_read"]  # nobody left before all had read
     consensus.agree(mine, 0, 1, timeout_s=1, client=FakeClient({}))  # alone: agrees with itself
+
+
+def test_a_stopped_process_is_named_within_the_bound(tmp_path):
+    """Process 1 is SIGSTOPped mid-run (a frozen node): process 0 ends after half the heartbeat timeout (+ a check),
+    with one line naming process 1 and the step, exit 1 — not JAX's abort after the whole heartbeat timeout."""
+    port = free_port_pair()
+
+    def start(rank):
+        return subprocess.Popen(
+            [sys.executable, "train.py", *TINY, "train.steps=100000", "checkpoint.enabled=false", "run.log_every=1",
+             "train.eval_every=0", f"run.output_dir={tmp_path}/out", f"distributed.coordinator_address=localhost:{port}",
+             "distributed.num_processes=2", f"distributed.process_id={rank}", "distributed.heartbeat_timeout_s=40"],
+            cwd=ROOT, env=cpu_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    leader, member = start(0), start(1)
+    try:
+        for line in leader.stdout:  # training has started on both
+            if line.split("/")[0].split() == ["step", "3"]:
+                break
+        member.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        leader.stdout.read()
+        code, err = leader.wait(timeout=90), leader.stderr.read()
+        assert time.monotonic() - stopped < 35  # silent for 20 s, checked every 2 s; JAX's own heartbeat: 40 s
+    finally:
+        member.kill()
+        member.wait()
+    assert code == 1, err[-2000:]
+    assert len(err.strip().splitlines()) == 1, err[-2000:]
+    assert err.startswith("error: process 0 of 2: process 1 stopped answering (no heartbeat for 20 s) during step "), err
+
+
+def test_the_watchdog_names_a_silent_coordinator_and_a_section_past_its_timeout():
+    class Reader(FakeClient):
+        def key_value_dir_get(self, prefix):
+            return [(k, v) for k, v in self.stored.items() if k.startswith(prefix)]
+
+    ended = []
+    dog = watchdog.Watchdog(1, 3, silent_s=10, client=Reader({}), exit=ended.append, say=ended.append)
+    dog.close()  # its threads stop: the test drives check() by hand
+    dog.completed(7)
+    dog.enter("step 8", 120)
+    now = time.monotonic()
+    assert dog.check(now, {0: 1, 1: 1, 2: 1}) is None
+    assert dog.check(now + 5, {0: 4, 1: 5, 2: 1}) is None  # process 2 silent for 5 s: not yet
+    line = dog.check(now + 11, {0: 9, 1: 10, 2: 1})
+    assert line.startswith("error: process 1 of 3: process 2 stopped answering (no heartbeat for 10 s) during step 8 "
+                           "(last completed step 7)"), line
+    dog._read = lambda: None  # the coordinator does not answer the read
+    assert dog.check(now + 12).startswith("error: process 1 of 3: process 0, the coordinator, does not answer (no "
+                                          "reply in 10 s) during step 8")
+    alive = watchdog.Watchdog(0, 1, silent_s=10, exit=ended.append, say=ended.append)  # one process: no peers
+    alive.close()
+    with alive.during("the checkpoint save of step 20", 30):
+        assert alive.check(time.monotonic()) is None
+        line = alive.check(time.monotonic() + 31)
+    assert line.startswith("error: process 0 of 1: the checkpoint save of step 20 has run 30 s, past its timeout"), line
+    assert alive.section == "start-up"  # back to the section the save interrupted
+    assert not ended

@@ -236,6 +236,8 @@ def validate(cfg):
     _require(0 < cfg.launch.mem_fraction <= 1, f"launch.mem_fraction must be in (0, 1], got {cfg.launch.mem_fraction}")
     _positive(cfg, "launch.gpus_per_node", "launch.nodes_per_slice", "distributed.initialization_timeout_s",
               "distributed.heartbeat_timeout_s")
+    for key in ("compile_timeout_s", "step_timeout_s", "checkpoint_timeout_s"):
+        _require(cfg.distributed[key] >= 0, f"distributed.{key}={cfg.distributed[key]} must be >= 0 (0: no limit)")
     topology_problem = hardware.topology_problem(hardware.ACCELERATORS[cfg.aot.target], cfg.aot.topology,
                                                  cfg.aot.num_slices)
     _require(topology_problem is None, topology_problem)

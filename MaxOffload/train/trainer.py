@@ -25,7 +25,7 @@ from MaxOffload.train.checkpoint import Checkpointer, load_params
 from MaxOffload.errors import NonFiniteError, ParityError
 from MaxOffload.offload import xla_bugs
 from MaxOffload.train.metrics import MetricsLogger
-from MaxOffload.parallel import distributed
+from MaxOffload.parallel import distributed, watchdog
 from MaxOffload.reports import write_json
 from MaxOffload.train import rundir
 from MaxOffload.parallel.mesh import describe as mesh_describe
@@ -112,6 +112,14 @@ def run(cfg, plan, devices=None):
     """plan: the OffloadPlan (MaxOffload/from_config.py); devices: the run's devices (default: this process's); a
     dry run may pass compile-only GPUs."""
     process_index, process_count = distributed.initialize(cfg)
+    dog = watchdog.start(process_index, process_count, cfg.distributed.heartbeat_timeout_s)
+    try:
+        return _run(cfg, plan, devices, process_index, process_count, dog)
+    finally:
+        dog.close()
+
+
+def _run(cfg, plan, devices, process_index, process_count, dog):
     lead = process_index == 0
     say = speaker(lead)
     say("MaxOffload config:\n" + describe(cfg))
@@ -136,7 +144,7 @@ def run(cfg, plan, devices=None):
             from MaxOffload.offload.parity import first_batch
 
             verify_parity(setup, first_batch(cfg), say)
-        return Training(cfg, setup, summary, process_index, process_count, say).run()
+        return Training(cfg, setup, summary, process_index, process_count, say, dog).run()
     except Preempted:
         return PREEMPTED
     finally:
@@ -219,8 +227,9 @@ def describe_compiled_memory(memory):
 class Training:
     """One training run on a TrainSetup: the state in, the step loop with its hooks, the summary out."""
 
-    def __init__(self, cfg, setup, summary, process_index, process_count, say):
-        self.cfg, self.setup, self.summary, self.say = cfg, setup, summary, say
+    def __init__(self, cfg, setup, summary, process_index, process_count, say, dog):
+        """dog: this process's parallel/watchdog.Watchdog (told each section the run enters and each step done)."""
+        self.cfg, self.setup, self.summary, self.say, self.dog = cfg, setup, summary, say, dog
         self.lead, self.process_count = process_index == 0, process_count
         self.data = data_lib.build(cfg, process_index, process_count)
         say(f"data: {self.data.description}")
@@ -344,8 +353,9 @@ class Training:
         cfg, setup = self.cfg, self.setup
         self.say("compiling the training step ...")
         started = time.perf_counter()
-        train_step = memory.compile_or_config_error(setup.compile_train_step)
-        eval_step = memory.compile_or_config_error(setup.compile_eval_step, "the evaluation step")
+        with self.dog.during("compiling the training step", cfg.distributed.compile_timeout_s):
+            train_step = memory.compile_or_config_error(setup.compile_train_step)
+            eval_step = memory.compile_or_config_error(setup.compile_eval_step, "the evaluation step")
         self.summary["compile_time_s"] = time.perf_counter() - started
         self.summary["compiled_memory"] = compiled_memory(train_step)
         self.say(describe_compiled_memory(self.summary["compiled_memory"]))
@@ -355,9 +365,10 @@ class Training:
 
         def evaluate(state, step):
             total = count = 0.0
-            for batch in batches:
-                batch_total, batch_count = eval_step(state["params"], state["model_state"], batch)
-                total, count = total + float(batch_total), count + float(batch_count)
+            with self.dog.during(f"the evaluation after step {step}", cfg.distributed.compile_timeout_s):
+                for batch in batches:
+                    batch_total, batch_count = eval_step(state["params"], state["model_state"], batch)
+                    total, count = total + float(batch_total), count + float(batch_count)
             loss = total / max(count, 1.0)
             self.hooks.logger.log_eval(step, {"loss": loss})
             self.hooks.clock.restart()  # evaluation time is not step time
@@ -450,16 +461,28 @@ class Hooks:
         self.health = Health(cfg.train.on_nonfinite, cfg.train.loss_spike_factor, say)
         loop.add_metrics_hook(self.clock)
         loop.add_metrics_hook(self.health)
+        loop.add_metrics_hook(self.progress)
         loop.add_hook(self.end_profile)
         loop.add_hook(self.evaluation, every=cfg.train.eval_every)
         loop.add_hook(lambda info: self.flushed_save(info.step, info.state), every=cfg.checkpoint.every_steps)
         loop.add_hook(self.preemption)
         loop.add_hook(self.start_profile)
 
+    def progress(self, step, values):
+        """Tells the watchdog a step is done and the next one's timeout: distributed.step_timeout_s, or 20 x the
+        median step so far (at least 120 s) once 3 are measured."""
+        dog, times = self.training.dog, [h["step_time_s"] for h in self.clock.history]
+        timeout = self.cfg.distributed.step_timeout_s or (max(120.0, 20 * sorted(times)[len(times) // 2])
+                                                          if len(times) >= 3 else 0)
+        dog.completed(step)
+        dog.enter(f"step {step + 1}", timeout)
+
     def save(self, step, state):
         if self.cfg.checkpoint.enabled and not self.checkpointer.has(step):
-            self.checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
-                                                 "data": self.training.data.description})
+            with self.training.dog.during(f"the checkpoint save of step {step}",
+                                          self.cfg.distributed.checkpoint_timeout_s):
+                self.checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
+                                                     "data": self.training.data.description})
 
     def flushed_save(self, step, state):
         self.loop.flush()
