@@ -116,7 +116,8 @@ def test_impossible_mesh_is_one_line(tmp_path, overrides, words):
 def test_slices_are_contiguous_device_blocks():
     code = ("import json, jax; from MaxOffload.config import load; from MaxOffload.parallel.mesh import make;"
             "c = load(['configs/llama3_1.py:tiny', 'mesh.dcn.data=2', 'mesh.ici.fsdp=2', 'mesh.ici.tensor=2']);"
-            "m = make(c.mesh); print(json.dumps([[d.id for d in row.flatten()] for row in m.devices]))")
+            "m = make(c.mesh); import numpy as np; rows = np.moveaxis(m.devices, m.axis_names.index('data'), 0);"
+            "print(json.dumps([[d.id for d in row.flatten()] for row in rows]))")
     result = run_cli(["-c", code], env=EIGHT)
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout.strip().splitlines()[-1])
