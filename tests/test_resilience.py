@@ -1,7 +1,8 @@
 """Faults of a job of many processes (docs/faults.md, issue 48): processes started with different configs end at
 the start, each in one line naming the differing keys and the processes, exit 2, nothing written
 (MaxOffload/parallel/consensus.py); a process that stops answering mid-run is named by the others within half the
-heartbeat timeout, and a section past its timeout ends the run in one line (MaxOffload/parallel/watchdog.py)."""
+heartbeat timeout, and a section past its timeout ends the run in one line (MaxOffload/parallel/watchdog.py); a
+run's goodput over a kill and a restart (MaxOffload/train/goodput.py)."""
 import json
 import signal
 import subprocess
@@ -10,10 +11,13 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
+from test_checkpoint import start, wait_for_step
 from test_slurm import TINY, cpu_env, free_port_pair
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import consensus, watchdog
+
+TINY_CHECKPOINTED = [*TINY, "train.warmup_steps=1", "checkpoint.every_steps=5", "train.eval_every=0", "run.log_every=1"]
 
 pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
@@ -132,3 +136,31 @@ def test_the_watchdog_names_a_silent_coordinator_and_a_section_past_its_timeout(
     assert line.startswith("error: process 0 of 1: the checkpoint save of step 20 has run 30 s, past its timeout"), line
     assert alive.section == "start-up"  # back to the section the save interrupted
     assert not ended
+
+
+def test_goodput_adds_up_over_a_kill_and_a_restart(tmp_path):
+    """A run killed (kill -9) after its checkpoints of step 5 (and 10, as its save got on), then resumed to step 20:
+    goodput.jsonl has the resumed segment's line (the killed one wrote none), the steps trained again after the
+    checkpoint it resumed from are lost time, and the summary's buckets add up to its wall time."""
+    args = [*TINY_CHECKPOINTED, f"run.output_dir={tmp_path}"]
+    proc, lines = start([*args, "train.steps=400"]), []
+    wait_for_step(proc, 12, lines)  # the save of step 10 waited for step 5's: that one is complete
+    proc.kill()
+    proc.wait()
+    logged = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl") if '"step_time_s"' in line]
+    result = run_cli(["train.py", *args, "train.steps=20"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "goodput.jsonl")]
+    assert len(rows) == 1 and rows[0]["start_step"] in (5, 10) and rows[0]["ended"] == "done", rows
+    assert rows[0]["lost_steps"] == len([s for s in logged if s > rows[0]["start_step"]]) >= 2
+    total = json.load(open(tmp_path / "summary.json"))["goodput"]
+    assert total["lost_steps"] == rows[0]["lost_steps"] and total["lost_s"] > 0
+    parts = sum(total[k] for k in ("productive_s", "compile_s", "checkpoint_s", "evaluation_s", "other_s", "lost_s"))
+    assert parts == pytest.approx(total["wall_s"]) and total["other_s"] >= 0
+    assert total["goodput"] == pytest.approx(total["productive_s"] / total["wall_s"])
+    assert f"goodput {total['goodput']:.1%}: steps" in result.stdout
+    # a further resume appends its segment
+    result = run_cli(["train.py", *args, "train.steps=22"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r["start_step"] for r in map(json.loads, open(tmp_path / "goodput.jsonl"))] == [rows[0]["start_step"], 20]
+    assert json.load(open(tmp_path / "summary.json"))["goodput"]["restarts"] == 1

@@ -4,6 +4,7 @@ summary out; resume, preemption and non-finite steps handled.
 Exit codes (train.py): 0 done, 1 stopped on a non-finite step or a parity failure, 2 bad input,
 PREEMPTED (42) saved after SIGTERM/SIGUSR1 — the Slurm launcher requeues the job.
 """
+import collections
 import contextlib
 import os
 import signal
@@ -27,7 +28,7 @@ from MaxOffload.offload import xla_bugs
 from MaxOffload.train.metrics import MetricsLogger
 from MaxOffload.parallel import distributed, watchdog
 from MaxOffload.reports import write_json
-from MaxOffload.train import rundir
+from MaxOffload.train import goodput, rundir
 from MaxOffload.parallel.mesh import describe as mesh_describe
 from MaxOffload.profile.window import Window
 from MaxOffload.train.loop import Loop
@@ -111,15 +112,16 @@ class Preempted(Exception):
 def run(cfg, plan, devices=None):
     """plan: the OffloadPlan (MaxOffload/from_config.py); devices: the run's devices (default: this process's); a
     dry run may pass compile-only GPUs."""
+    started = time.perf_counter()  # this segment's wall time (train/goodput.py) counts from here
     process_index, process_count = distributed.initialize(cfg)
     dog = watchdog.start(process_index, process_count, cfg.distributed.heartbeat_timeout_s)
     try:
-        return _run(cfg, plan, devices, process_index, process_count, dog)
+        return _run(cfg, plan, devices, process_index, process_count, dog, started)
     finally:
         dog.close()
 
 
-def _run(cfg, plan, devices, process_index, process_count, dog):
+def _run(cfg, plan, devices, process_index, process_count, dog, started):
     lead = process_index == 0
     say = speaker(lead)
     say("MaxOffload config:\n" + describe(cfg))
@@ -144,7 +146,7 @@ def _run(cfg, plan, devices, process_index, process_count, dog):
             from MaxOffload.offload.parity import first_batch
 
             verify_parity(setup, first_batch(cfg), say)
-        return Training(cfg, setup, summary, process_index, process_count, say, dog).run()
+        return Training(cfg, setup, summary, process_index, process_count, say, dog, started).run()
     except Preempted:
         return PREEMPTED
     finally:
@@ -227,9 +229,11 @@ def describe_compiled_memory(memory):
 class Training:
     """One training run on a TrainSetup: the state in, the step loop with its hooks, the summary out."""
 
-    def __init__(self, cfg, setup, summary, process_index, process_count, say, dog):
-        """dog: this process's parallel/watchdog.Watchdog (told each section the run enters and each step done)."""
+    def __init__(self, cfg, setup, summary, process_index, process_count, say, dog, started):
+        """dog: this process's parallel/watchdog.Watchdog (told each section the run enters and each step done);
+        started: when this segment of the run began (time.perf_counter), for its goodput."""
         self.cfg, self.setup, self.summary, self.say, self.dog = cfg, setup, summary, say, dog
+        self.started, self.spent = started, collections.Counter()  # seconds per train/goodput.BUCKETS
         self.lead, self.process_count = process_index == 0, process_count
         self.data = data_lib.build(cfg, process_index, process_count)
         say(f"data: {self.data.description}")
@@ -305,15 +309,56 @@ class Training:
         return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
 
     # -- the run -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def timed(self, bucket):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spent[bucket] += time.perf_counter() - began
+
     def run(self):
+        """The run; however it ends (done, preempted, stopped on an error), its segment's time is recorded."""
+        self.lost, self.start, self.ended = (0, 0.0), None, "stopped"
+        try:
+            code = self._train()
+            self.ended = "done"
+            return code
+        except Preempted:
+            self.ended = "preempted"
+            raise
+        finally:
+            if self.start is not None and self.goodput_totals is None:
+                self.account()
+
+    goodput_totals = None
+
+    def account(self, end_step=None):
+        """Appends this segment to OUTPUT/goodput.jsonl (process 0); returns the run's totals (None elsewhere)."""
+        history = getattr(getattr(self, "hooks", None), "clock", None)
+        steps = sum(h["step_time_s"] for h in history.history) if history else 0.0
+        row = {"wall_s": time.perf_counter() - self.started, "compile_s": self.summary.get("compile_time_s", 0.0),
+               "checkpoint_s": self.spent["checkpoint_s"], "evaluation_s": self.spent["evaluation_s"],
+               "steps_s": steps, "lost_s": self.lost[1], "lost_steps": self.lost[0], "start_step": self.start,
+               "end_step": end_step, "ended": self.ended}
+        if self.lead:
+            self.goodput_totals = goodput.record(self.cfg.run.output_dir, row, fresh=self.start == 0)
+        return self.goodput_totals
+
+    def _train(self):
         cfg, setup = self.cfg, self.setup
         with contextlib.ExitStack() as stack:  # every exit releases Orbax's threads, signals, logs and profiler
             stack.enter_context(self.catching_signals())
             self.one_run_per_directory()
             checkpointer = Checkpointer(cfg, setup)
             stack.callback(checkpointer.close)
-            state, start = self.initial_state(checkpointer)
+            with self.timed("checkpoint_s"):
+                state, start = self.initial_state(checkpointer)
+            # what an earlier segment trained past this checkpoint: trained again (before the logger drops it)
+            self.lost = goodput.lost_steps(cfg.run.output_dir, start) if start and self.lead else (0, 0.0)
+            self.start = start
             if start >= cfg.train.steps:
+                self.start = None  # nothing trained, nothing written (not even its goodput line)
                 self.nothing_to_train(start)
                 return 0
             if self.lead:  # the lock is held and the starting point known: the config this run trains with
@@ -330,6 +375,8 @@ class Training:
                 raise self.hooks.halted(e, loop.state, start) from None
             self.hooks.save(cfg.train.steps, state)
             eval_loss = evaluate(state, cfg.train.steps)
+            with self.timed("checkpoint_s"):
+                checkpointer.wait()  # the last save
         return self.finish(eval_loss, start, logger.started)
 
     def outputs(self, stack, start):
@@ -365,7 +412,8 @@ class Training:
 
         def evaluate(state, step):
             total = count = 0.0
-            with self.dog.during(f"the evaluation after step {step}", cfg.distributed.compile_timeout_s):
+            with self.dog.during(f"the evaluation after step {step}", cfg.distributed.compile_timeout_s), \
+                    self.timed("evaluation_s"):
                 for batch in batches:
                     batch_total, batch_count = eval_step(state["params"], state["model_state"], batch)
                     total, count = total + float(batch_total), count + float(batch_count)
@@ -389,6 +437,10 @@ class Training:
                        mfu=mean("mfu") if peak else None, skipped_steps=self.hooks.health.skipped,
                        loss_spikes=self.hooks.health.spikes,
                        **device_peak_bytes(summary.get("compiled_memory")))
+        self.ended = "done"
+        totals = self.account(cfg.train.steps)
+        if totals:
+            summary["goodput"] = totals
         if self.lead:
             write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         mfu = f"{summary['mfu'] * 100:.1f}%" if peak else \
@@ -398,7 +450,10 @@ class Training:
                  f"{eval_loss:.3f} | {summary['mean_step_time_s']:.3f} s/step | "
                  f"{summary['tokens_per_sec_per_device']:,.0f} tok/s/dev | "
                  f"{summary['tflops_per_sec_per_device']:.3f} TFLOP/s/dev | MFU {mfu}")
-        self.say(f"outputs in {cfg.run.output_dir}: config.json metrics.jsonl summary.json tensorboard/ checkpoints/")
+        if totals:
+            self.say(goodput.describe(totals))
+        self.say(f"outputs in {cfg.run.output_dir}: config.json metrics.jsonl summary.json goodput.jsonl tensorboard/ "
+                 "checkpoints/")
         return 0
 
 
@@ -480,7 +535,8 @@ class Hooks:
     def save(self, step, state):
         if self.cfg.checkpoint.enabled and not self.checkpointer.has(step):
             with self.training.dog.during(f"the checkpoint save of step {step}",
-                                          self.cfg.distributed.checkpoint_timeout_s):
+                                          self.cfg.distributed.checkpoint_timeout_s), \
+                    self.training.timed("checkpoint_s"):
                 self.checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
                                                      "data": self.training.data.description})
 
