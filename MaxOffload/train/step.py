@@ -130,7 +130,7 @@ class TrainSetup:
         self.on_nonfinite, self.micro_batches, self.gather_weights = spec.on_nonfinite, spec.micro_batches, \
             spec.gather_weights
         self.numerics = spec.numerics or matmul.Numerics(spec.model_config.compute_dtype)
-        self.pipeline = self._pipeline(spec)
+        self.pipeline = self._pipeline(spec, self.numerics)
         self.layout = ParallelLayout.of(spec.mesh, spec.rules, spec.exchange, spec.context_attention,
                                         spec.load_balance, self.pipeline)  # to the model, once
         platform = kernels.platform(spec.mesh.devices.flat[0])
@@ -166,7 +166,7 @@ class TrainSetup:
         self._batch_layout()
 
     @staticmethod
-    def _pipeline(spec):
+    def _pipeline(spec, numerics):
         """The pipeline schedule with a stage mesh axis (None without); ConfigError when the model's pipelined layer
         group does not split into the virtual stages or is asked to run under more than one policy, or the step
         asks for what the pipeline does differently."""
@@ -184,6 +184,12 @@ class TrainSetup:
             raise ConfigError(f"mesh stage={stages}: the pipelined layer group {group!r} runs under one remat/offload "
                               f"policy (each stage runs any of its layers); make remat.groups.{group} cover all of "
                               "them, or give one policy")
+        partitioned = [p for p in numerics.parts if p != components.EXPERTS]
+        if numerics.mode == "mxfp8" and partitioned:  # as for the data replicas' shard_map (_replicas)
+            raise ConfigError(f"mesh stage={stages}: the pipeline stages run in a shard_map over the stage axis, inside "
+                              f"which jax's MXFP8 matmul cannot be partitioned (quant.parts {','.join(partitioned)}; "
+                              "jaxlib 0.12's compiler fails in its custom partitioner); set quant.parts=[routed_experts] "
+                              "or quant.mode=fp8")
         if spec.reduce_gradients == PER_STEP and spec.micro_batches > 1:
             raise ConfigError("train.reduce_gradients=per_step is for the micro-batches' scan, which pipeline stages "
                               "replace (their micro-batches run in one pass): use train.reduce_gradients="
