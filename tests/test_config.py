@@ -13,6 +13,7 @@ import pytest
 
 from MaxOffload.config import ConfigError, defaults, load
 from MaxOffload.config.validate import validate
+from MaxOffload.parallel.consensus import flat_items
 
 pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
@@ -201,7 +202,7 @@ def test_empty_list_value():
 
 
 def test_placeholder_field_accepts_none_and_values():
-    placeholders = [(key, spec) for key, spec in _flat_schema(defaults.SCHEMA) if len(spec) == 3]
+    placeholders = [(key, spec) for key, spec in flat_items(defaults.SCHEMA) if len(spec) == 3]
     assert placeholders  # hardware.peak_tflops_per_device at least
     for key, (_, typ, _) in placeholders:
         cfg = load([QUICKSTART, f"{key}=none"])
@@ -216,14 +217,6 @@ def test_placeholder_field_accepts_none_and_values():
             for part in key.split("."):
                 node = node[part]
             assert type(node) is typ
-
-
-def _flat_schema(schema, prefix=""):
-    for key, spec in schema.items():
-        if isinstance(spec, dict):
-            yield from _flat_schema(spec, f"{prefix}{key}.")
-        else:
-            yield prefix + key, spec
 
 
 def _number_keys():

@@ -32,10 +32,11 @@ def code_digest():
     return digest.hexdigest()[:16]
 
 
-def _flat(tree, prefix=""):
+def flat_items(tree, prefix=""):
+    """(dotted key, leaf) of nested dicts, in order."""
     for key, value in tree.items():
         if isinstance(value, dict):
-            yield from _flat(value, f"{prefix}{key}.")
+            yield from flat_items(value, f"{prefix}{key}.")
         else:
             yield prefix + key, value
 
@@ -46,7 +47,7 @@ def fingerprint(settings):
     import jax
     import jaxlib
 
-    found = {key: json.dumps(value, sort_keys=True, default=str) for key, value in _flat(settings)
+    found = {key: json.dumps(value, sort_keys=True, default=str) for key, value in flat_items(settings)
              if key not in PER_PROCESS}
     return {**found, "code": code_digest(), "jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
