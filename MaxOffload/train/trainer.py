@@ -328,13 +328,14 @@ class Training:
             self.ended = "preempted"
             raise
         finally:
-            if self.start is not None and self.goodput_totals is None:
+            if self.start is not None and not self.accounted:
                 self.account()
 
-    goodput_totals = None
+    goodput_totals, accounted = None, False
 
     def account(self, end_step=None):
         """Appends this segment to OUTPUT/goodput.jsonl (process 0); returns the run's totals (None elsewhere)."""
+        self.accounted = True
         history = getattr(getattr(self, "hooks", None), "clock", None)
         steps = sum(h["step_time_s"] for h in history.history) if history else 0.0
         row = {"wall_s": time.perf_counter() - self.started, "compile_s": self.summary.get("compile_time_s", 0.0),
@@ -342,7 +343,12 @@ class Training:
                "steps_s": steps, "lost_s": self.lost[1], "lost_steps": self.lost[0], "start_step": self.start,
                "end_step": end_step, "ended": self.ended}
         if self.lead:
-            self.goodput_totals = goodput.record(self.cfg.run.output_dir, row, fresh=self.start == 0)
+            try:
+                self.goodput_totals = goodput.record(self.cfg.run.output_dir, row, fresh=self.start == 0)
+            except OSError as e:  # a full disk: never the run's error (a failed run reports its own)
+                if self.ended == "done":
+                    self.say(f"warning: goodput not recorded ({e.strerror or e}): "
+                             f"{os.path.join(self.cfg.run.output_dir, goodput.FILE)}")
         return self.goodput_totals
 
     def _train(self):
