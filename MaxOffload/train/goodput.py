@@ -11,6 +11,8 @@ job waiting in the queue) is nobody's wall time here.
 import json
 import os
 
+from MaxOffload.train import metrics
+
 FILE = "goodput.jsonl"
 BUCKETS = ("compile_s", "checkpoint_s", "evaluation_s", "steps_s", "lost_s")
 
@@ -18,19 +20,9 @@ BUCKETS = ("compile_s", "checkpoint_s", "evaluation_s", "steps_s", "lost_s")
 def lost_steps(output_dir, step):
     """(steps, seconds) an earlier segment logged past `step` in OUTPUT/metrics.jsonl: what a resume from `step`
     trains again."""
-    path, count, seconds = os.path.join(output_dir, "metrics.jsonl"), 0, 0.0
-    if not os.path.exists(path):
-        return 0, 0.0
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a torn line: the metrics logger says so
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step \
-                    and isinstance(row.get("step_time_s"), (int, float)):
-                count, seconds = count + 1, seconds + row["step_time_s"]
-    return count, seconds
+    times = [row["step_time_s"] for _, row in metrics.step_rows(os.path.join(output_dir, "metrics.jsonl"))[0]
+             if row["step"] > step and isinstance(row.get("step_time_s"), (int, float))]
+    return len(times), float(sum(times))
 
 
 def record(output_dir, row, fresh):

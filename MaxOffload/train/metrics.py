@@ -17,12 +17,12 @@ def _duration(seconds):
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def _lines_up_to(path, step, say=print):
-    """The lines of metrics.jsonl for steps <= `step`. A line that is not a JSON object with its step (a crash or a
-    full disk cut the last one short; an edit) is dropped, with one line saying so."""
+def step_rows(path):
+    """(line, row) of each readable line of metrics.jsonl (a JSON object with its step), and how many lines were not
+    (a crash or a full disk cut the last one short; an edit)."""
+    rows, torn = [], 0
     if not os.path.exists(path):
-        return []
-    kept, torn = [], 0
+        return rows, torn
     with open(path, errors="replace") as f:
         for line in f:
             if not line.strip():
@@ -33,11 +33,17 @@ def _lines_up_to(path, step, say=print):
                 row = None
             if problem(row, {"step": COUNT}):
                 torn += 1
-            elif row["step"] <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                rows.append((line, row))
+    return rows, torn
+
+
+def _lines_up_to(path, step, say=print):
+    """The lines of metrics.jsonl for steps <= `step`. An unreadable line is dropped, with one line saying so."""
+    rows, torn = step_rows(path)
     if torn:
         say(f"{path}: dropped {torn} unreadable line(s) (cut short by an earlier crash or a full disk, or edited)")
-    return kept
+    return [line if line.endswith("\n") else line + "\n" for line, row in rows if row["step"] <= step]
 
 
 class MetricsLogger:
