@@ -40,6 +40,18 @@ def check_splash(model_config, seq_len, layout):
                           "yet: set model.attention=xla with mesh.ici/dcn.context > 1")
 
 
+def pipelined_layers(model_config):
+    """How many layers the model's pipelined group (pipelined_group) has: 0 where it has none."""
+    start, stop = model_config.layer_groups().get(model_config.pipelined_group(), (0, 0))
+    return stop - start
+
+
+def mxfp8_partitioned(numerics):
+    """The model parts whose MXFP8 GEMMs XLA would partition (all but the routed experts, whose GEMMs run in the
+    exchange's own shard_map): jax's MXFP8 matmul cannot be partitioned inside a shard_map (empty unless mxfp8)."""
+    return [p for p in numerics.parts if p != components.EXPERTS] if numerics.mode == "mxfp8" else []
+
+
 def check_divisible(abstract_params, shardings, mesh):
     """ConfigError naming the first parameter dimension that its mesh axes do not divide."""
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_params))[0]
@@ -174,18 +186,17 @@ class TrainSetup:
         if stages == 1:
             return None
         schedule = Pipeline(stages, spec.pipeline_repeats, spec.micro_batches, spec.pipeline_remat)
-        group = spec.model_config.pipelined_group()
-        start, stop = spec.model_config.layer_groups().get(group, (0, 0))
-        if stop == start:
+        group, layers = spec.model_config.pipelined_group(), pipelined_layers(spec.model_config)
+        if not layers:
             raise ConfigError(f"mesh stage={stages}: this model has no {group!r} layers to pipeline; set "
                               "mesh.ici.stage=1 and mesh.dcn.stage=1")
-        schedule.per_stage(stop - start)
+        schedule.per_stage(layers)
         if len(spec.plan.by_stack().get(group, ())) != 1:
             raise ConfigError(f"mesh stage={stages}: the pipelined layer group {group!r} runs under one remat/offload "
                               f"policy (each stage runs any of its layers); make remat.groups.{group} cover all of "
                               "them, or give one policy")
-        partitioned = [p for p in numerics.parts if p != components.EXPERTS]
-        if numerics.mode == "mxfp8" and partitioned:  # as for the data replicas' shard_map (_replicas)
+        partitioned = mxfp8_partitioned(numerics)
+        if partitioned:  # as for the data replicas' shard_map (_replicas)
             raise ConfigError(f"mesh stage={stages}: the pipeline stages run in a shard_map over the stage axis, inside "
                               f"which jax's MXFP8 matmul cannot be partitioned (quant.parts {','.join(partitioned)}; "
                               "jaxlib 0.12's compiler fails in its custom partitioner); set quant.parts=[routed_experts] "
@@ -201,8 +212,7 @@ class TrainSetup:
         None where it stores them in the model's order (no stages, or one repeat)."""
         if self.pipeline is None or self.pipeline.repeats == 1:
             return None
-        start, stop = self.model_config.layer_groups()[self.model_config.pipelined_group()]
-        return self.pipeline.order(stop - start)
+        return self.pipeline.order(pipelined_layers(self.model_config))
 
     def reorder(self, tree, saved):
         """A state (or its params / model_state part) restored into this run's shardings whose pipelined stack was
@@ -212,8 +222,7 @@ class TrainSetup:
         current, key = self.layer_order(), models.family_of(self.model_config).model_class.PIPELINED_STACK
         if saved is None and current is None:
             return tree
-        start, stop = self.model_config.layer_groups()[self.model_config.pipelined_group()]
-        layers = stop - start
+        layers = pipelined_layers(self.model_config)
         saved = np.arange(layers) if saved is None else np.asarray(saved)
         current = np.arange(layers) if current is None else current
         if np.array_equal(saved, current):
@@ -297,8 +306,8 @@ class TrainSetup:
             raise ConfigError(f"train.reduce_gradients=per_step sums each data replica's gradients once a step, but "
                               f"mesh.rules shard a weight over the data axis ({on_data[0].spec}); take `data` out of "
                               "the weights' rules or use train.reduce_gradients=per_micro_batch")
-        partitioned = [p for p in self.numerics.parts if p != components.EXPERTS]
-        if self.numerics.mode == "mxfp8" and partitioned:  # the routed experts' GEMMs run inside the exchange's
+        partitioned = mxfp8_partitioned(self.numerics)
+        if partitioned:  # the routed experts' GEMMs run inside the exchange's
             # shard_map, manual over every axis; the others are partitioned by jax's cuDNN scaled-matmul rule
             raise ConfigError(f"train.reduce_gradients=per_step runs each data replica in a shard_map over the data "
                               f"axis, inside which jax's MXFP8 matmul cannot be partitioned (quant.parts "
