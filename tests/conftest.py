@@ -2,6 +2,7 @@
 several simulated devices."""
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -121,3 +122,45 @@ def small_filesystem(path, size="256k", read_only=False):
         yield path
     finally:
         subprocess.run(["umount", "-l", path], check=False)
+
+
+# -- Slurm (tests/test_slurm.py, tests/test_resilience.py) ----------------------------------------------------
+_SLURM_PROBLEM = []  # memo: [reason or None]
+
+
+def slurm_problem():
+    """Why Slurm cannot be used here (tools missing, controller down), or None."""
+    if not _SLURM_PROBLEM:
+        missing = [tool for tool in ("sinfo", "sbatch", "scontrol") if shutil.which(tool) is None]
+        if missing:
+            reason = f"Slurm not installed ({', '.join(missing)} not found)"
+        else:
+            ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=60)
+            said = (ping.stdout + ping.stderr).strip().splitlines() or ["scontrol ping failed"]
+            reason = None if ping.returncode == 0 else f"slurmctld not responding ({said[0]})"
+        _SLURM_PROBLEM.append(reason)
+    return _SLURM_PROBLEM[0]
+
+
+def require_slurm():
+    reason = slurm_problem()
+    if reason is None:
+        return
+    reason += "; `bash .ci/slurm.sh up` (root, Debian) starts a single-node Slurm"
+    if os.environ.get("CI") == "true" or os.environ.get("MAXOFFLOAD_SLURM") == "1":
+        pytest.fail(f"{reason}, but CI=true or MAXOFFLOAD_SLURM=1 requires it")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """Skips (or fails, in CI) before the other fixtures do any work."""
+    require_slurm()
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """A JAX compilation cache shared by the two 2-process runs (same program): the second skips ~15 s of
+    compiling on a 2-core machine; its losses are checked all the same."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}

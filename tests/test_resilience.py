@@ -2,8 +2,11 @@
 the start, each in one line naming the differing keys and the processes, exit 2, nothing written
 (MaxOffload/parallel/consensus.py); a process that stops answering mid-run is named by the others within half the
 heartbeat timeout, and a section past its timeout ends the run in one line (MaxOffload/parallel/watchdog.py); a
-run's goodput over a kill and a restart (MaxOffload/train/goodput.py)."""
+run's goodput over a kill and a restart (MaxOffload/train/goodput.py); under Slurm, a killed and a hung task are
+restarted in place (launch.restarts, launchers/slurm/nvl72.sbatch) and the run ends bit-identical to an
+uninterrupted one."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,9 +16,10 @@ import pytest
 
 from conftest import ROOT, run_cli
 from test_checkpoint import start, wait_for_step
-from test_slurm import TINY, cpu_env, free_port_pair
+from test_slurm import (LOCAL, SBATCH, TINY, TWO_TASKS, cpu_env, ended, fake_python, free_port_pair, read, run_job,
+                        scontrol_job, submit, wait_for)
 from MaxOffload.errors import ConfigError
-from MaxOffload.parallel import consensus, watchdog
+from MaxOffload.parallel import consensus, stragglers, watchdog
 
 TINY_CHECKPOINTED = [*TINY, "train.warmup_steps=1", "checkpoint.every_steps=5", "train.eval_every=0", "run.log_every=1"]
 
@@ -155,7 +159,8 @@ def test_goodput_adds_up_over_a_kill_and_a_restart(tmp_path):
     assert rows[0]["lost_steps"] == len([s for s in logged if s > rows[0]["start_step"]]) >= 2
     total = json.load(open(tmp_path / "summary.json"))["goodput"]
     assert total["lost_steps"] == rows[0]["lost_steps"] and total["lost_s"] > 0
-    parts = sum(total[k] for k in ("productive_s", "compile_s", "checkpoint_s", "evaluation_s", "other_s", "lost_s"))
+    parts = sum(total[k] for k in ("productive_s", "compile_s", "checkpoint_s", "evaluation_s", "restart_s", "other_s",
+                                   "lost_s"))
     assert parts == pytest.approx(total["wall_s"]) and total["other_s"] >= 0
     assert total["goodput"] == pytest.approx(total["productive_s"] / total["wall_s"])
     assert f"goodput {total['goodput']:.1%}: steps" in result.stdout
@@ -164,3 +169,168 @@ def test_goodput_adds_up_over_a_kill_and_a_restart(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert [r["start_step"] for r in map(json.loads, open(tmp_path / "goodput.jsonl"))] == [rows[0]["start_step"], 20]
     assert json.load(open(tmp_path / "summary.json"))["goodput"]["restarts"] == 1
+
+
+def trainers(out_dir):
+    """{SLURM_PROCID: pid} of the train.py processes writing `out_dir` (not the task shells around them)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:2] == [b"train.py"] and f"run.output_dir={out_dir}".encode() in argv:
+            rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"SLURM_PROCID=")]
+            if rank:
+                found[int(rank[0])] = int(pid)
+    return found
+
+
+def logged_steps(log, after):
+    """The step numbers of the progress lines in `log` after the text `after` (its last occurrence)."""
+    if after not in log:
+        return []
+    return [int(line.split()[1].split("/")[0]) for line in log.rsplit(after, 1)[1].splitlines()
+            if line.startswith("step ") and "/" in line.split()[1]]
+
+
+def test_slurm_restarts_a_killed_and_a_hung_task_in_place(slurm, tmp_path, compile_cache):
+    """launch.restarts=2 under Slurm (2 tasks x 2 CPU devices): task 1 is killed (kill -9) mid-run, then, in the
+    restarted job step, frozen (SIGSTOP). Each time the job step ends (the hung one within the watchdog's bound: no
+    srun waiting forever for the frozen task), the launcher names the cause in the job's log and starts it again in
+    the same allocation; the run resumes from its last checkpoint and ends with losses bit-identical to an
+    uninterrupted run of the same job; its goodput records the restart."""
+    args = [*TINY, "train.steps=60", "checkpoint.every_steps=5", "train.eval_every=0", "run.log_every=1",
+            "distributed.heartbeat_timeout_s=16", "distributed.straggler_window_steps=20"]
+    env = dict(os.environ, MAXOFFLOAD_CPU_DEVICES_PER_TASK="2", PYTHON=sys.executable, **compile_cache)
+    env.pop("XLA_FLAGS", None)
+    reference = tmp_path / "uninterrupted"
+    result = subprocess.run(["bash", LOCAL, "2", *args, f"run.output_dir={reference}"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    windows = [r["stragglers"] for r in map(json.loads, open(reference / "metrics.jsonl")) if "stragglers" in r]
+    assert len(windows) == 3 and not any(w["slow"] for w in windows), windows  # nobody slow: nobody named
+
+    out = tmp_path / "out"
+    job_id, _ = submit([*TWO_TASKS, f"--output={tmp_path}/job-%j.out", SBATCH, *args, "launch.restarts=2",
+                        f"run.output_dir={out}"], env)
+    log_path = tmp_path / f"job-{job_id}.out"
+    try:
+        wait_for(lambda: max(logged_steps(read(log_path), "train.py"), default=0) >= 8, 120, "step 8")
+        os.kill(trainers(out)[1], signal.SIGKILL)
+        marker = "restart 1 of this job (launch.restarts)"
+        wait_for(lambda: len(logged_steps(read(log_path), marker)) >= 3, 120, "3 steps after the restart")
+        frozen = trainers(out)[1]
+        os.kill(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: "== restart 2 of 2" in read(log_path), 60, "the second restart")
+        assert time.monotonic() - stopped < 30  # silent for 8 s, checked every 2 s, the task's 2 s, the step's end
+        state = wait_for(lambda: ended(job_id), 180, "the job to end")
+    finally:
+        if scontrol_job(job_id).get("JobState") in ("PENDING", "RUNNING"):
+            subprocess.run(["scancel", str(job_id)])
+    log = read(log_path)
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", (state, log[-4000:])
+    with pytest.raises(ProcessLookupError):
+        os.kill(frozen, 0)  # the frozen task was ended with its job step
+    assert "== job step failed (exit status" in log and "): task 1/2 on " in log, log[-4000:]
+    causes = [line for line in log.splitlines() if line.startswith("== job step failed")]
+    assert len(causes) == 2, causes
+    assert "train.py was killed (signal 9)" in causes[0], causes
+    assert "error: process 0 of 2: process 1 stopped answering (no heartbeat for 8 s) during step" in causes[1], causes
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    expected = [(r["step"], r["loss"]) for r in map(json.loads, open(reference / "metrics.jsonl")) if "loss" in r]
+    assert len([r for r in rows if "stragglers" in r]) == 3  # the resumes' windows replace the dropped ones
+    assert [s for s, _ in losses] == list(range(1, 61)) and losses == expected  # bit-identical
+    last = [json.loads(line) for line in open(out / "goodput.jsonl")][-1]
+    assert last["restart"] == 2 and "stopped answering" in last["restart_cause"] and last["restart_s"] > 0, last
+    total = json.load(open(out / "summary.json"))["goodput"]
+    parts = ("productive_s", "compile_s", "checkpoint_s", "evaluation_s", "restart_s", "other_s", "lost_s")
+    assert sum(total[k] for k in parts) == pytest.approx(total["wall_s"]) and total["restart_s"] == last["restart_s"]
+
+
+def test_slurm_restarts_end_with_the_reason_and_a_config_error_is_not_restarted(slurm, tmp_path):
+    """A job step that keeps failing is started again launch.restarts times, then the job fails with the last cause;
+    exit 2 (a mistake in the input) is never restarted. train.py is faked: task 1 fails with a one-line error."""
+    python = fake_python(tmp_path, """
+echo "task $SLURM_PROCID attempt ${MAXOFFLOAD_STEP_RESTART:-0} cause: ${MAXOFFLOAD_STEP_RESTART_CAUSE:-none}"
+[ "$SLURM_PROCID" = 1 ] && { echo "error: process 1 of 2: the disk broke"; exit $FAKE_STATUS; }
+sleep 30
+""")
+    env = dict(os.environ, MAXOFFLOAD_CPU_DEVICES_PER_TASK="1", PYTHON=python, FAKE_STATUS="3")
+    started = time.monotonic()
+    job_id, status = run_job([*TWO_TASKS, f"--output={tmp_path}/job-%j.out", SBATCH, "configs/llama3_1.py:tiny",
+                              "launch.restarts=1"], env)
+    log = read(tmp_path / f"job-{job_id}.out")
+    assert status == 3 and time.monotonic() - started < 60, log  # task 0's sleep ended with each job step
+    assert "task 0 attempt 0 cause: none" in log and "task 0 attempt 1 cause: error: process 1 of 2: the disk broke" \
+        in log, log
+    assert "== restart 1 of 1 (launch.restarts)" in log and "== restart 2" not in log, log
+    assert ("error: the job step failed 2 time(s), launch.restarts=1 allowed 1 restart(s); the last failure: error: "
+            "process 1 of 2: the disk broke") in log, log
+    job_id, status = run_job([*TWO_TASKS, f"--output={tmp_path}/job-%j.out", SBATCH, "configs/llama3_1.py:tiny",
+                              "launch.restarts=1"], {**env, "FAKE_STATUS": "2"})
+    log = read(tmp_path / f"job-{job_id}.out")
+    assert status == 2 and "== restart" not in log, log
+    job_id, status = run_job([*TWO_TASKS, f"--output={tmp_path}/job-%j.out", SBATCH, "configs/llama3_1.py:tiny",
+                              "launch.restarts=-1"], env)
+    log = read(tmp_path / f"job-{job_id}.out")
+    assert status == 2 and "error: launch.restarts must be >= 0 (0 = no restart), got -1" in log, log
+    assert "task 0" not in log
+
+
+def test_a_straggler_is_named_by_its_own_time_or_its_device_not_by_noise():
+    step = 1.0
+    # process 2's own time is 8x the others' and 0.35 s of a 1 s step: named; process 3's 1.6x is 0.03 s: noise;
+    # process 1's device probe takes 2x the others'
+    p50s, p99s, probes = [0.05, 0.05, 0.40, 0.08], [0.06, 0.07, 0.55, 0.09], [0.010, 0.020, 0.011, 0.010]
+    assert stragglers.slow(p50s, probes, 1.5, step) == {1: ["device"], 2: ["own time"]}
+    assert stragglers.slow(p50s, probes, 10, step) == {}  # under the factor
+    assert stragglers.slow(p50s, [0.01] * 4, 1.5, 10.0) == {}  # 0.35 s of a 10 s step: under 5%
+    assert stragglers.slow([0.05, 0.05], [0.010, 0.016], 1.5, step) == {1: ["device"]}  # two: each against the other
+    found, scalars = stragglers.row(p50s, p99s, probes, 101, 200, 1.5, step)
+    assert found["stragglers"]["slow"] == {"1": ["device"], "2": ["own time"]}
+    assert found["stragglers"]["steps"] == [101, 200] and scalars["slowest_probe_process"] == 1
+    line = stragglers.describe(found, 1.5)
+    assert line.startswith("warning: straggler(s) over steps 101-200 (1.000 s a step): process 1: device probe 20.0 ms "
+                           "(2.0x the others'); process 2: own time 0.400 s median, 0.550 s p99 (8.0x the "
+                           "others')"), line
+    assert stragglers.describe(stragglers.row([0.05, 0.06], [0.06, 0.07], [0.01, 0.01], 1, 10, 1.5, step)[0],
+                               1.5) is None
+    assert stragglers.summarize([0.1] * 98 + [1.0, 2.0]) == (pytest.approx(0.1), pytest.approx(1.01, rel=0.01))
+
+
+def test_a_process_on_an_overloaded_core_is_named_a_straggler(tmp_path):
+    """Two processes, each on its own CPU core; once training runs, a busy loop shares process 1's core at a higher
+    priority (an oversubscribed host). Every window names process 1 by its device probe, never process 0; the
+    windows' rows carry both processes' figures, and every step its own time."""
+    port = free_port_pair()
+    args = [*TINY, "train.steps=30", "checkpoint.enabled=false", "train.eval_every=0", "run.log_every=1",
+            "distributed.straggler_window_steps=10", f"run.output_dir={tmp_path}/out", "distributed.num_processes=2",
+            f"distributed.coordinator_address=localhost:{port}"]
+    procs = [subprocess.Popen(["taskset", "-c", str(rank), *(["nice", "-n", "5"] if rank else []), sys.executable,
+                               "train.py", *args, f"distributed.process_id={rank}"], cwd=ROOT, env=cpu_env(2),
+                              stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              text=True) for rank in (0, 1)]
+    hog, lines = None, []
+    try:
+        for line in procs[0].stdout:
+            lines.append(line)
+            if hog is None and line.split("/")[0].split() == ["step", "1"]:
+                hog = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in [*procs, *([hog] if hog else [])]:
+            p.kill()
+    out = "".join(lines)
+    assert codes == [0, 0], out[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    windows = [r["stragglers"] for r in rows if "stragglers" in r]
+    assert [w["steps"] for w in windows] == [[1, 10], [11, 20], [21, 30]], windows
+    for w in windows:
+        assert len(w["own_p50_s"]) == len(w["own_p99_s"]) == len(w["probe_s"]) == 2 and "0" not in w["slow"], w
+    assert sum(w["slow"].get("1") == ["device"] for w in windows) >= 2, windows
+    assert "warning: straggler(s) over steps 11-20 (" in out and "process 1: device probe " in out, out[-3000:]
+    assert all(r["own_time_s"] > 0 for r in rows if "loss" in r)

@@ -130,6 +130,11 @@ SCHEMA = {
         "step_timeout_s": (0, "... when a training step runs longer; 0 = 20 x the median of the steps so far, at least "
                               "120 s (no limit before 3 steps are measured)"),
         "checkpoint_timeout_s": (1800, "... when waiting for a checkpoint save runs longer (0: no limit)"),
+        "straggler_window_steps": (100, "every this many steps the processes compare their own time per step (the "
+                                        "host's: reading the batch, dispatching the step; median and p99) and a "
+                                        "slow one is named in the log (docs/faults.md); 0: off"),
+        "straggler_factor": (1.5, "a process is a straggler when its median own time is over this factor x the "
+                                  "processes' median (and over it by at least 5% of the step time)"),
     },
     "quant": {
         "mode": ("bf16", "weight GEMMs: bf16 | fp8 (per-tensor current scaling: e4m3 operands, e5m2 gradients; "
@@ -175,6 +180,9 @@ SCHEMA = {
         "host_memory_limit_gb": (0, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: pinned host pool per process (XLA's "
                                     "default 64 is too small for offload recipes); 0 = from the aot report's host "
                                     "need + 25%, capped by host RAM per GPU"),
+        "restarts": (0, "a job step that fails or hangs (a crashed or killed task, the watchdog's exit) is started "
+                        "again in the same allocation, resuming from the last checkpoint, up to this many times "
+                        "(launchers/slurm/nvl72.sbatch; exit 2, a mistake in the input, and 42, preempted, are not)"),
     },
     "offload": {
         "params": (False, "keep parameters in pinned host memory; each layer's weights are copied to HBM inside "

@@ -232,10 +232,15 @@ def validate(cfg):
         _require(isinstance(flag, str) and re.match(r"^--xla_\w+(=.*)?$", flag),
                  f"xla.extra_flags: {flag!r} is not an XLA flag; write --xla_name=value")
     _choice("aot.target", cfg.aot.target, tuple(hardware.ACCELERATORS))
+    _require(cfg.launch.restarts >= 0, f"launch.restarts must be >= 0 (0 = no restart), got {cfg.launch.restarts}")
     _require(cfg.launch.host_memory_limit_gb >= 0, "launch.host_memory_limit_gb must be >= 0 (0 = from the plan)")
     _require(0 < cfg.launch.mem_fraction <= 1, f"launch.mem_fraction must be in (0, 1], got {cfg.launch.mem_fraction}")
     _positive(cfg, "launch.gpus_per_node", "launch.nodes_per_slice", "distributed.initialization_timeout_s",
               "distributed.heartbeat_timeout_s")
+    _require(cfg.distributed.straggler_window_steps >= 0,
+             f"distributed.straggler_window_steps={cfg.distributed.straggler_window_steps} must be >= 0 (0: off)")
+    _require(cfg.distributed.straggler_factor > 1, f"distributed.straggler_factor={cfg.distributed.straggler_factor} "
+             "must be > 1 (how many times the processes' median a straggler's own time is)")
     for key in ("compile_timeout_s", "step_timeout_s", "checkpoint_timeout_s"):
         _require(cfg.distributed[key] >= 0, f"distributed.{key}={cfg.distributed[key]} must be >= 0 (0: no limit)")
     topology_problem = hardware.topology_problem(hardware.ACCELERATORS[cfg.aot.target], cfg.aot.topology,

@@ -1,6 +1,8 @@
-"""Environment for a GPU job, from the config: `eval "$(python -m MaxOffload.parallel.launch_env CONFIG.py[:ARG] ...)"`.
+"""Environment for a job, from the config: `eval "$(python -m MaxOffload.parallel.launch_env [--cpu] CONFIG.py[:ARG] ...)"`.
 
-Prints `export NAME=VALUE` lines (shell-quoted) that must be set before JAX starts its backend:
+Prints `export NAME=VALUE` lines (shell-quoted) for the Slurm launcher (launchers/slurm/nvl72.sbatch):
+  MAXOFFLOAD_RESTARTS                 launch.restarts: how often the launcher starts a failed job step again.
+and, for a GPU job (not with --cpu), what must be set before JAX starts its backend:
   XLA_PYTHON_CLIENT_MEM_FRACTION      launch.mem_fraction: share of HBM JAX preallocates (0.88-0.9 in recipes).
   XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB   pinned host pool per process (XLA's default, 64 GB, is too small for offload
                                       recipes): launch.host_memory_limit_gb, or when 0 derived from the plan —
@@ -41,14 +43,17 @@ def host_memory_limit_gb(cfg):
     return min(cap, math.ceil(report["host_bytes_per_device"] * 1.25 / 1e9) + 4)
 
 
-def exports(cfg, environ=None):
-    """[(name, value)] for a GPU job of this config."""
+def exports(cfg, environ=None, gpu=True):
+    """[(name, value)] for a job of this config (a GPU job's environment too when `gpu`)."""
     from MaxOffload import xla
 
     environ = os.environ if environ is None else environ
     launch = cfg.launch
+    job = [("MAXOFFLOAD_RESTARTS", str(launch.restarts))]
+    if not gpu:
+        return job
     xla_flags = " ".join([environ.get("XLA_FLAGS", "").strip(), *xla.extra_flags(cfg.xla)]).strip()  # the preset: per compile
-    return [
+    return job + [
         ("XLA_PYTHON_CLIENT_MEM_FRACTION", str(launch.mem_fraction)),
         ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(host_memory_limit_gb(cfg))),
         ("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "false"),
@@ -67,8 +72,8 @@ def main(argv):
     from MaxOffload import cli
     from MaxOffload.config import load
 
-    argv, _, _ = cli.parse(argv, __doc__, keys=())
-    lines = exports(load(argv))
+    argv, _, flags = cli.parse(argv, __doc__, keys=(), flags=("--cpu",))
+    lines = exports(load(argv), gpu=not flags["--cpu"])
     for name, value in lines:
         print(f"export {name}={shlex.quote(value)}")
     return 0

@@ -6,6 +6,7 @@ the trainer. Metrics are fetched one step late, after the next step is queued, s
 device it has just fed; a hook that needs the device idle (evaluation, a save, the profiler) calls `flush()`.
 """
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -41,15 +42,17 @@ class Loop:
         self.hooks.append(_Hook(fn, every))
 
     def add_metrics_hook(self, fn):
-        """fn(step, {name: float}) once a step's metrics reach the host: one step late, or at `flush()`."""
+        """fn(step, {name: float}) once a step's metrics reach the host: one step late, or at `flush()`. Beside the
+        step's own metrics: own_time_s, the host's time for the step (reading its batch, dispatching it)."""
         self.metrics_hooks.append(fn)
 
     def flush(self):
         """Waits for the step whose metrics are pending and hands them to the metrics hooks."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            step, metrics = pending
+            step, metrics, own = pending
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            values["own_time_s"] = own
             for fn in self.metrics_hooks:
                 fn(step, values)
 
@@ -57,11 +60,13 @@ class Loop:
         """Steps start+1 .. end; returns the final state (its metrics flushed). If a hook raises, `self.state` is
         the newest state (the step donates its input)."""
         for index in range(start, end):
+            began = time.perf_counter()
             with jax.profiler.StepTraceAnnotation("train", step_num=index + 1):
                 state, metrics = self.step_fn(state, self.batch_fn(index))
+            own = time.perf_counter() - began
             self.state = state
             self.flush()  # the previous step's, while the device works on this one
-            self.pending = (index + 1, metrics)
+            self.pending = (index + 1, metrics, own)
             info = StepInfo(index + 1, state, metrics, index + 1 == end)
             for hook in self.hooks:
                 if hook.due(info):

@@ -92,6 +92,11 @@ class MetricsLogger:
             self.stream.write(self._progress_line(step, metrics) + "\n")
             self.stream.flush()
 
+    def log_row(self, step, row, scalars, prefix):
+        """A row of its own beside the steps' (e.g. a window's straggler figures) and its TensorBoard scalars."""
+        self._append({"step": step, **row})
+        self._scalars(step, scalars, prefix)
+
     def log_eval(self, step, metrics):
         self._append({"step": step, **{f"eval_{k}": v for k, v in metrics.items()}})
         self._scalars(step, metrics, "eval/")

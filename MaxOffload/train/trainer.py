@@ -26,7 +26,7 @@ from MaxOffload.train.checkpoint import Checkpointer, load_params
 from MaxOffload.errors import NonFiniteError, ParityError
 from MaxOffload.offload import xla_bugs
 from MaxOffload.train.metrics import MetricsLogger
-from MaxOffload.parallel import distributed, watchdog
+from MaxOffload.parallel import distributed, stragglers, watchdog
 from MaxOffload.reports import write_json
 from MaxOffload.train import goodput, rundir
 from MaxOffload.parallel.mesh import describe as mesh_describe
@@ -112,7 +112,7 @@ class Preempted(Exception):
 def run(cfg, plan, devices=None):
     """plan: the OffloadPlan (MaxOffload/from_config.py); devices: the run's devices (default: this process's); a
     dry run may pass compile-only GPUs."""
-    started = time.perf_counter()  # this segment's wall time (train/goodput.py) counts from here
+    started = goodput.Segment.start(os.environ)  # this segment's wall time (train/goodput.py) counts from here
     process_index, process_count = distributed.initialize(cfg)
     dog = watchdog.start(process_index, process_count, cfg.distributed.heartbeat_timeout_s)
     try:
@@ -127,6 +127,8 @@ def _run(cfg, plan, devices, process_index, process_count, dog, started):
     say("MaxOffload config:\n" + describe(cfg))
     if process_count > 1:
         say(f"multi-process: {process_count} processes, {jax.local_device_count()} device(s) each")
+    if started.restart:
+        say(started.describe())
     if lead:
         rundir.make(cfg.run.output_dir)
     setup = from_config.train_setup(cfg, devices or jax.devices(), plan)
@@ -231,7 +233,7 @@ class Training:
 
     def __init__(self, cfg, setup, summary, process_index, process_count, say, dog, started):
         """dog: this process's parallel/watchdog.Watchdog (told each section the run enters and each step done);
-        started: when this segment of the run began (time.perf_counter), for its goodput."""
+        started: this segment of the run (train/goodput.Segment: when it began, the restart it is), for its goodput."""
         self.cfg, self.setup, self.summary, self.say, self.dog = cfg, setup, summary, say, dog
         self.started, self.spent = started, collections.Counter()  # seconds per train/goodput.BUCKETS
         self.lead, self.process_count = process_index == 0, process_count
@@ -338,10 +340,10 @@ class Training:
         self.accounted = True
         history = getattr(getattr(self, "hooks", None), "clock", None)
         steps = sum(h["step_time_s"] for h in history.history) if history else 0.0
-        row = {"wall_s": time.perf_counter() - self.started, "compile_s": self.summary.get("compile_time_s", 0.0),
+        row = {"wall_s": self.started.elapsed(), "compile_s": self.summary.get("compile_time_s", 0.0),
                "checkpoint_s": self.spent["checkpoint_s"], "evaluation_s": self.spent["evaluation_s"],
                "steps_s": steps, "lost_s": self.lost[1], "lost_steps": self.lost[0], "start_step": self.start,
-               "end_step": end_step, "ended": self.ended}
+               "end_step": end_step, "ended": self.ended, **(self.started.restart or {})}
         if self.lead:
             try:
                 self.goodput_totals = goodput.record(self.cfg.run.output_dir, row, fresh=self.start == 0)
@@ -527,6 +529,10 @@ class Hooks:
         loop.add_hook(self.evaluation, every=cfg.train.eval_every)
         loop.add_hook(lambda info: self.flushed_save(info.step, info.state), every=cfg.checkpoint.every_steps)
         loop.add_hook(self.preemption)
+        if training.process_count > 1:
+            self.own_times, self.probe = [], None  # (step, own_time_s) since the last window; the device probe
+            loop.add_metrics_hook(lambda step, values: self.own_times.append((step, values["own_time_s"])))
+            loop.add_hook(self.stragglers, every=cfg.distributed.straggler_window_steps)
         loop.add_hook(self.start_profile)
 
     def progress(self, step, values):
@@ -538,6 +544,30 @@ class Hooks:
         dog.completed(step)
         dog.enter(f"step {step + 1}", timeout)
 
+    def stragglers(self, info):
+        """Every straggler window: the processes' own step times and device probes compared (parallel/stragglers.py);
+        process 0 logs them and names a slow process."""
+        from jax.experimental import multihost_utils
+
+        self.loop.flush()  # the devices idle for the probe (its own step time is in the window)
+        window, self.own_times = self.own_times, []
+        if not window:
+            return
+        if self.probe is None:
+            self.probe = stragglers.Probe(self.training.setup.mesh.local_devices)
+        mine = np.array([*stragglers.summarize([t for _, t in window]), self.probe.time()], np.float32)
+        table = np.asarray(multihost_utils.process_allgather(mine))  # [processes, (own p50, own p99, probe)]
+        self.clock.restart()  # the probe is not step time
+        if not self.training.lead:
+            return
+        steps = [h["step_time_s"] for h in self.clock.history[-len(window):]]
+        found, scalars = stragglers.row(table[:, 0], table[:, 1], table[:, 2], window[0][0], window[-1][0],
+                                        self.cfg.distributed.straggler_factor, float(np.median(steps)))
+        self.logger.log_row(info.step, found, scalars, "stragglers/")
+        line = stragglers.describe(found, self.cfg.distributed.straggler_factor)
+        if line:
+            self.say(line)
+
     def save(self, step, state):
         if self.cfg.checkpoint.enabled and not self.checkpointer.has(step):
             with self.training.dog.during(f"the checkpoint save of step {step}",
@@ -545,6 +575,7 @@ class Hooks:
                     self.training.timed("checkpoint_s"):
                 self.checkpointer.save(step, state, {"step": step, "seed": self.cfg.run.seed, "data_position": step,
                                                      "data": self.training.data.description})
+            self.clock.restart()  # the device waited for the save (its metrics were flushed): not step time
 
     def flushed_save(self, step, state):
         self.loop.flush()
