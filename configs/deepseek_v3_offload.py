@@ -130,14 +130,15 @@ def pipelined_671b():
     (mesh.dcn.stage=2, mesh.dcn.data=2, 64 expert ranks a rack): the 58 MoE layers in 2 stages x 29 repeats
     (virtual stages of one layer: the stages x repeats that divide 58), the 3 dense layers, the head and MTP on
     every GPU. 4,096 sequences a step in 16 micro-batches of two sequences a GPU of a stage (bubble 1 / 465); the
-    backward pass gets each iteration's input (mesh.pipeline.remat=stages) and runs the MoE layer's forward again,
-    keeping all of it for its own backward. Megatron-Bridge's published layout is PP4 x VP4 (16 virtual stages,
+    backward pass gets each iteration's input from pinned host memory (mesh.pipeline.remat=stages_offloaded: 465 x
+    112 MiB, 50.9 GiB a GPU that HBM does not hold: the recipe fits with it, not without) and runs the MoE layer's
+    forward again, keeping all of it for its own backward. Megatron-Bridge's published layout is PP4 x VP4 (16 virtual stages,
     uneven: not built here)."""
     cfg = get_config("671b")
     cfg.run.output_dir = "runs/deepseek_v3_671b_pp"
     cfg.aot.topology = "4x16x4"
     cfg.mesh.dcn.stage, cfg.mesh.dcn.data = 2, 2
-    cfg.mesh.pipeline.repeats, cfg.mesh.pipeline.remat = 29, "stages"
+    cfg.mesh.pipeline.repeats, cfg.mesh.pipeline.remat = 29, "stages_offloaded"
     cfg.train.reduce_gradients = "per_micro_batch"  # the pipeline runs the step's micro-batches in one pass
     # outside the stages the dense layers and the MTP block run on the whole step's batch at once (16 sequences a
     # GPU): they keep their inputs only; the pipelined MoE layers keep all of one virtual stage's forward

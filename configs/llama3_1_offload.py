@@ -58,7 +58,8 @@ def pipelined_405b():
     """Llama 3.1 405B on 2 x NVL72 with a pipeline stage a rack (mesh.dcn.stage=2, FSDP over each rack's 64 GPUs):
     the 126 layers in 2 stages x 7 repeats (virtual stages of 9 layers), 2,048 sequences a step in 16 micro-batches
     of two sequences a GPU of a stage (bubble 1 / 113). Each iteration's input is all the backward pass gets of it
-    (mesh.pipeline.remat=stages: the 113 inputs, 512 MiB each); the backward pass runs each virtual stage's forward
+    (mesh.pipeline.remat=stages_offloaded: the 113 inputs, 512 MiB each, in pinned host memory: 56.5 GiB of it per
+    GPU, which HBM then does not hold); the backward pass runs each virtual stage's forward
     again and keeps its dots but the MLP's for its own backward. The loss over the step's 16 sequences a GPU by
     vocabulary tiles."""
     from MaxOffload.config.defaults import reset_remat
@@ -67,7 +68,7 @@ def pipelined_405b():
     cfg.run.output_dir = "runs/llama3_1_405b_pp"
     cfg.aot.topology = "2x16x4"
     cfg.mesh.dcn.stage, cfg.mesh.ici.fsdp = 2, -1
-    cfg.mesh.pipeline.repeats, cfg.mesh.pipeline.remat = 7, "stages"
+    cfg.mesh.pipeline.repeats, cfg.mesh.pipeline.remat = 7, "stages_offloaded"
     cfg.train.global_batch_size = 2048
     reset_remat(cfg, "save_dot_except_mlp")
     cfg.xla.hlo_rematerialization = False

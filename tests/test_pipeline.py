@@ -1,7 +1,8 @@
 """Pipeline stages (mesh.ici/dcn.stage, mesh.pipeline.*; parallel/pipeline.py): a step on 8 CPU devices split
 into stages equals one device's step of the same rows, in loss, gradients and model state (Llama tiny and DeepSeek
 tiny with MTP, stage2 x fsdp4, stage4 x fsdp2, stage2 x repeats2, stage2 x expert4 with offloaded activations and
-DeepSeek's token all-to-all, Llama's stage2 x context4), and the timeline of its
+DeepSeek's token all-to-all, Llama's stage2 x context4 and stage2 with each iteration's input offloaded to the host:
+its placement proven), and the timeline of its
 compiled program shows the schedule's bubble and the ppermutes; train.py runs it with the same
 losses as without stages; a checkpoint resumes, and its weights load, under another schedule; what the schedule
 cannot run is one line and exit 2."""
@@ -16,6 +17,7 @@ import pytest
 from conftest import ROOT, process_env, run_cli
 from test_checkpoint import losses
 from MaxOffload.errors import ConfigError
+from MaxOffload.parallel import pipeline
 from MaxOffload.parallel.pipeline import Pipeline
 
 pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
@@ -57,7 +59,16 @@ def test_stages_equal_one_device():
     # ... and a sequence split over a context axis inside the stages
     cases["llama stage2 context4"] = [*LLAMA, "mesh.ici.stage=2", "mesh.ici.fsdp=1", "mesh.ici.context=4",
                                       "model.attention=xla"]
-    check_stages_equal_one_device(cases)
+    # ... and each iteration's input kept in pinned host memory for the backward pass
+    cases["llama stage2 offloaded inputs"] = [*LLAMA, "mesh.ici.stage=2", "mesh.ici.fsdp=4",
+                                              "mesh.pipeline.remat=stages_offloaded"]
+    found = check_stages_equal_one_device(cases)
+    placed = found["llama stage2 offloaded inputs"]["placement"]
+    # one pinned_host placement, the iteration's input [8 rows, 16, emb 64] in float32; per device 2 of the 8 rows
+    # (fsdp 4) in each of the M + 1 iterations
+    assert placed["problems"] == [] and placed["placements"] == 1, placed
+    assert placed["offloaded"] == [pipeline.INPUT] and placed["bytes"] == (M + 1) * 2 * 16 * 64 * 4, placed
+    assert all(f["placement"] is None for name, f in found.items() if "offloaded" not in name)
 
 
 def stage_cases(family, model):
@@ -88,6 +99,7 @@ def check_stages_equal_one_device(cases):
         if name.startswith("deepseek"):  # router biases from the whole step's loads; MTP and balance losses
             assert diff["state"] == 0.0 and diff["state_leaves"] >= 2 and diff["state_moved"] > 0, (name, diff)
             assert {"mtp_loss", "moe/balance_loss", "moe/max_load"} <= set(diff["metrics"]), (name, diff)
+    return found
 
 
 def train(args, out, env=EIGHT):

@@ -113,7 +113,8 @@ SCHEMA = {
                                 "pipelined layers' remat/offload policy keeps, for all of a step's micro-batches at "
                                 "once) | stages (each iteration's input alone, in HBM; the virtual stage's forward "
                                 "runs again in the backward pass, under the layers' policy: a stage's activation "
-                                "memory no longer grows with the micro-batches)"),
+                                "memory no longer grows with the micro-batches) | stages_offloaded (the same, each "
+                                "iteration's input kept in pinned host memory: HBM holds none of them)"),
         },
     },
     "distributed": {

@@ -280,7 +280,7 @@ def validate(cfg):
 
 def _validate_pipeline(cfg):
     pipeline, train = cfg.mesh.pipeline, cfg.train
-    _choice("mesh.pipeline.remat", pipeline.remat, ("layers", "stages"))
+    _choice("mesh.pipeline.remat", pipeline.remat, ("layers", "stages", "stages_offloaded"))
     _require(pipeline.repeats >= 1, f"mesh.pipeline.repeats={pipeline.repeats} must be >= 1 (1: no virtual stages)")
     _require(pipeline.microbatches >= 0, f"mesh.pipeline.microbatches={pipeline.microbatches} must be >= 0 "
                                          "(0: train.grad_accum_steps)")

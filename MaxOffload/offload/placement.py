@@ -123,10 +123,19 @@ def bytes_per_device(aval, name, setup, staged=False):
     return count * aval.dtype.itemsize
 
 
+def staged_offload(setup):
+    """Whether the pipeline sends each iteration's input to the host (mesh.pipeline.remat=stages_offloaded)."""
+    return setup.pipeline is not None and setup.pipeline.remat == "stages_offloaded"
+
+
 def activation_groups(cfg, setup):
     """({segment label: entry}, problems, expected pinned_host placements) read off the step's jaxpr:
-    per layer segment, what became of every tagged activation against what was requested."""
+    per layer segment, what became of every tagged activation against what was requested; with
+    mesh.pipeline.remat=stages_offloaded, the pipelined group's entry has the iterations' inputs too."""
     import jax
+    import jax.numpy as jnp
+
+    from MaxOffload.parallel import pipeline
 
     from MaxOffload import models
 
@@ -140,13 +149,24 @@ def activation_groups(cfg, setup):
         # in the pipelined stack a device runs its stage's layers only, each micro-batch whole over the stage axis
         staged = setup.pipeline is not None and segment.model_group == setup.model_config.pipelined_group()
         layers = (segment.stop - segment.start) // (setup.pipeline.stages if staged else 1)
-        restaged = staged and setup.pipeline.remat == "stages"
+        restaged = staged and setup.pipeline.remat in ("stages", "stages_offloaded")
         entry = {"model_group": segment.model_group, "remat_group": segment.group or None,
                  "layers": [segment.start, segment.stop - 1], "offloaded": [], "saved": [], "remat": [],
                  "unused": [], "tensors": {}, "offload_bytes_per_device": 0, "missing": []}
         if restaged:
-            entry["note"] = ("mesh.pipeline.remat=stages: the backward pass gets each pipeline iteration's input only; "
+            entry["note"] = (f"mesh.pipeline.remat={setup.pipeline.remat}: the backward pass gets each pipeline "
+                             f"iteration's input only{', from pinned host memory' if staged_offload(setup) else ''}; "
                              "the policy applies to the virtual stage's forward run again in the backward pass")
+            if staged_offload(setup):  # each iteration's input, [rows of a micro-batch, length, emb], to the host
+                aval = jax.core.ShapedArray((setup.batch_rows, cfg.train.seq_len, setup.model_config.emb_dim),
+                                            jnp.dtype(setup.model_config.compute_dtype))
+                per_device = bytes_per_device(aval, "decoder_layer_input", setup, staged) * setup.pipeline.iterations
+                entry["tensors"][pipeline.INPUT] = {"requested": "offload", "result": "offload",
+                                                    "shape": list(aval.shape), "dtype": str(aval.dtype),
+                                                    "bytes_per_device_per_step": per_device}
+                entry["offload_bytes_per_device"] += per_device
+                entry["offloaded"].append(pipeline.INPUT)
+                expected_placements.append((tuple(aval.shape), str(aval.dtype)))
         for name, (kind, aval) in seen.items():
             per_device = bytes_per_device(aval, name, setup, staged) * layers
             entry["tensors"][name] = {"requested": requested[name], "result": kind, "shape": list(aval.shape),

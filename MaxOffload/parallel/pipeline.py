@@ -15,13 +15,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from MaxOffload.errors import ConfigError
 
 AXIS = "stage"
-SCOPE = "pipeline"  # the name scope of the iterations' loop: the timeline finds the pipeline's loops by it
+SCOPE = "pipeline"
+INPUT = "pipeline_iteration_input"  # remat=stages_offloaded: the name of each iteration's input, offloaded  # the name scope of the iterations' loop: the timeline finds the pipeline's loops by it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +33,8 @@ class Pipeline:
     microbatches: int = 1  # of a step's batch (the step's micro-batches: gradient accumulation)
     # what the backward pass gets of each iteration: "layers" (what the pipelined layers' remat/offload policy keeps,
     # for all micro-batches at once) | "stages" (each iteration's input alone, kept in HBM; the virtual stage's
-    # forward runs again in the backward pass, under the layers' policy)
+    # forward runs again in the backward pass, under the layers' policy) | "stages_offloaded" (the same, the inputs
+    # kept in pinned host memory: named INPUT, offloaded by the virtual stage's checkpoint policy)
     remat: str = "layers"
 
     @property
@@ -73,8 +76,8 @@ class Pipeline:
 
     def describe(self):
         return (f"pipeline: {self.stages} stages x {self.repeats} repeats, {self.microbatches} micro-batches a step, "
-                f"bubble {self.bubble:.1%}" + (", each stage's forward again in the backward pass (remat=stages)"
-                                               if self.remat == "stages" else ""))
+                f"bubble {self.bubble:.1%}" + (f", each stage's forward again in the backward pass (remat={self.remat})"
+                                               if self.remat != "layers" else ""))
 
 
 def run(pipeline, mesh, stage_fn, weights, x, positions):
@@ -110,6 +113,15 @@ def run(pipeline, mesh, stage_fn, weights, x, positions):
 
         if pipeline.remat == "stages":  # the stage's stored weights are the loop's invariants: saved once
             virtual_stage = jax.checkpoint(virtual_stage, policy=jax.checkpoint_policies.nothing_saveable)
+        elif pipeline.remat == "stages_offloaded":  # ... and each iteration's input goes to pinned host memory
+            compute = virtual_stage
+
+            def named_input(w, repeat, h, per_row):
+                return compute(w, repeat, checkpoint_name(h, INPUT), per_row)
+
+            virtual_stage = jax.checkpoint(named_input, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[], names_which_can_be_offloaded=[INPUT], offload_src="device",
+                offload_dst="pinned_host"))
 
         def iteration(carry, t):
             arrived, kept, outs = carry  # arrived: what the previous stage sent at t - 1

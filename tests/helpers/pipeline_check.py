@@ -4,7 +4,9 @@ the same M micro-batches' rows). Prints JSON {case: {"loss": rel diff, "grads": 
 the initial parameters, "state": max abs diff of the model state after the step, "state_moved": how far that state
 moved, "bubble": the schedule's, "timeline": the pipeline's figures in the timeline of the staged gradients' compiled
 program (timeline/summary.pipeline_figures, on an H200's rates), "trace_iterations" / "trace_bubbles": its
-Perfetto trace's pipeline track, "metrics": the pipelined step's metric names}}.
+Perfetto trace's pipeline track, "metrics": the pipelined step's metric names, "placement": with
+mesh.pipeline.remat=stages_offloaded, the offload report's problems, pinned_host placements, offloaded names and
+bytes per device (else null)}}.
 
 argv[1]: JSON {case: [config overrides]}; the stacks' layers stored in the pipeline's order (mesh.pipeline.repeats
 > 1) are compared in the model's order."""
@@ -89,6 +91,14 @@ def compare(overrides):
                                     staged.mesh.size, pipeline=staged.pipeline)
     track = [e["name"] for e in trace.trace(sim)["traceEvents"] if e.get("cat") == "pipeline"]
     state_1, state_s = aux_1.get("model_state", {}), in_model_order(aux_s.get("model_state", {}), staged)
+    placed = None
+    if staged.pipeline.remat == "stages_offloaded":  # the iterations' inputs on the host, proven in the CUDA lowering
+        from MaxOffload.offload import placement
+
+        found = placement.build_report(staged_cfg, staged, cpu_memory=False)
+        placed = {"problems": found["problems"], "placements": found["cuda_pinned_host_placements"],
+                  "offloaded": sorted(n for g in found["groups"].values() for n in g["offloaded"]),
+                  "bytes": found["offload_bytes_per_device"]}
     return {"loss": abs(float(loss_s) - float(loss_1)) / abs(float(loss_1)),
             "grads": relative(in_model_order(grads_s, staged), grads_1),
             "init": max_abs(in_model_order(staged_state["params"], staged), whole_state["params"]),
@@ -97,7 +107,7 @@ def compare(overrides):
             "bubble": staged.pipeline.bubble, "iterations": staged.pipeline.iterations,
             "timeline": report["pipeline"], "trace_bubbles": sum(name.startswith("bubble") for name in track),
             "trace_iterations": len(track),
-            "metrics": sorted(aux_s.get("metrics", {}))}
+            "metrics": sorted(aux_s.get("metrics", {})), "placement": placed}
 
 
 if __name__ == "__main__":
