@@ -166,6 +166,12 @@ class Checkpointer:
                                                         meta=ocp.args.JsonSave(meta)), force=True)
         self.unsealed = step
 
+    def seal_finished(self):
+        """Writes the manifest of the save in flight once it has finished (a check a step, no waiting): a run killed
+        before its next save then resumes from a verified checkpoint, not an unverified one."""
+        if self.unsealed is not None and not self.manager.is_saving_in_progress():
+            self.wait()  # finished: returns at once, after the manifest (or raising the save's error)
+
     def wait(self):
         """Waits for the save in flight, then writes its integrity manifest; a failed save is a ConfigError (one
         line: the directory, and for a full disk the space needed); the checkpoints before it stay as they are."""

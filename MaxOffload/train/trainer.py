@@ -528,6 +528,7 @@ class Hooks:
         loop.add_hook(self.end_profile)
         loop.add_hook(self.evaluation, every=cfg.train.eval_every)
         loop.add_hook(lambda info: self.flushed_save(info.step, info.state), every=cfg.checkpoint.every_steps)
+        loop.add_hook(lambda info: checkpointer.seal_finished())  # a finished save's manifest, before the next save
         loop.add_hook(self.preemption)
         if training.process_count > 1:
             self.own_times, self.probe = [], None  # (step, own_time_s) since the last window; the device probe
