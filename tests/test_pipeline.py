@@ -3,19 +3,17 @@ into stages equals one device's step of the same rows, in loss, gradients and mo
 tiny with MTP, stage2 x fsdp4, stage4 x fsdp2, stage2 x repeats2, stage2 x expert4 with offloaded activations and
 DeepSeek's token all-to-all, Llama's stage2 x context4 and stage2 with each iteration's input offloaded to the host:
 its placement proven), and the timeline of its
-compiled program shows the schedule's bubble and the ppermutes; train.py runs it with the same
-losses as without stages; a checkpoint resumes, and its weights load, under another schedule; what the schedule
-cannot run is one line and exit 2."""
+compiled program shows the schedule's bubble and the ppermutes; what the schedule cannot run is one line and exit 2
+(train.py's runs and checkpoints under other schedules: tests/test_pipeline_runs.py; DeepSeek's equalities:
+tests/test_pipeline_deepseek.py)."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT, process_env, run_cli
-from test_checkpoint import losses
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import pipeline
 from MaxOffload.parallel.pipeline import Pipeline
@@ -100,49 +98,6 @@ def check_stages_equal_one_device(cases):
             assert diff["state"] == 0.0 and diff["state_leaves"] >= 2 and diff["state_moved"] > 0, (name, diff)
             assert {"mtp_loss", "moe/balance_loss", "moe/max_load"} <= set(diff["metrics"]), (name, diff)
     return found
-
-
-def train(args, out, env=EIGHT):
-    result = run_cli(["train.py", *args, f"run.output_dir={out}"], env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def test_train_py_stages_match_one_stage_and_resume_on_another(tmp_path):
-    """The issue's command (DeepSeek tiny, stage=2 x fsdp=4) trains with stage=1's losses; its checkpoint resumes
-    on stage=1 and goes on as stage=1's own run."""
-    common = ["configs/deepseek_v3.py:tiny", "train.seq_len=32", "train.per_device_batch_size=1",
-              "train.warmup_steps=1", "train.eval_every=0", "model.compute_dtype=float32", "run.log_every=1"]
-    staged = train([*common, "mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.steps=2"], tmp_path / "staged")
-    assert "pipeline: 2 stages x 1 repeats, 1 micro-batches a step, bubble 50.0%" in staged.stdout
-    train([*common, "train.steps=3"], tmp_path / "flat")
-    train([*common, "mesh.ici.stage=1", "mesh.ici.fsdp=8", "train.steps=3"], tmp_path / "staged")  # resumes
-    one, two = losses(tmp_path / "flat"), losses(tmp_path / "staged")
-    assert sorted(one) == sorted(two) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert two[step] == pytest.approx(one[step], rel=1e-5), (step, one, two)
-
-
-def test_checkpoint_of_a_circular_schedule_loads_under_others(tmp_path):
-    """A circular schedule stores its layers in the pipeline's order and says so in the checkpoint; loaded without
-    stages, or under the same schedule, the model is the same (its first losses equal); a resume on one stage
-    goes on as the circular run does."""
-    common = [*LLAMA, "train.seq_len=32", "train.per_device_batch_size=1", "train.warmup_steps=0",
-              "train.eval_every=0", "model.compute_dtype=float32", "run.log_every=1"]
-    circular = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "mesh.pipeline.repeats=2", "mesh.pipeline.microbatches=2"]
-    train([*common, *circular, "train.steps=1"], tmp_path / "saved")
-    with open(tmp_path / "saved" / "checkpoints" / "1" / "meta" / "metadata") as f:
-        assert json.load(f)["layer_order"] == [0, 2, 1, 3]
-    shutil.copytree(tmp_path / "saved", tmp_path / "copy")
-    train([*common, *circular, "train.steps=2"], tmp_path / "saved")  # resumed by the same schedule
-    train([*common, "train.grad_accum_steps=2", "train.steps=2"], tmp_path / "copy")  # ... and by none
-    assert losses(tmp_path / "copy")[2] == pytest.approx(losses(tmp_path / "saved")[2], rel=1e-5)
-    loaded = {}
-    for name, schedule in (("flat", ["train.grad_accum_steps=2"]), ("circular", circular)):
-        train([*common, *schedule, "train.steps=1", f"checkpoint.load_params_from={tmp_path / 'saved'}",
-               "checkpoint.enabled=false"], tmp_path / name)
-        loaded[name] = losses(tmp_path / name)[1]
-    assert loaded["flat"] == pytest.approx(loaded["circular"], rel=1e-5)
 
 
 @pytest.mark.parametrize("overrides,expected", [
