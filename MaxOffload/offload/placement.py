@@ -158,7 +158,7 @@ def activation_groups(cfg, setup):
                              f"iteration's input only{', from pinned host memory' if staged_offload(setup) else ''}; "
                              "the policy applies to the virtual stage's forward run again in the backward pass")
             if staged_offload(setup):  # each iteration's input, [rows of a micro-batch, length, emb], to the host
-                aval = jax.core.ShapedArray((setup.batch_rows, cfg.train.seq_len, setup.model_config.emb_dim),
+                aval = jax.ShapeDtypeStruct((setup.batch_rows, cfg.train.seq_len, setup.model_config.emb_dim),
                                             jnp.dtype(setup.model_config.compute_dtype))
                 per_device = bytes_per_device(aval, "decoder_layer_input", setup, staged) * setup.pipeline.iterations
                 entry["tensors"][pipeline.INPUT] = {"requested": "offload", "result": "offload",

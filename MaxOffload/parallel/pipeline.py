@@ -15,15 +15,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from MaxOffload.errors import ConfigError
 
 AXIS = "stage"
-SCOPE = "pipeline"
-INPUT = "pipeline_iteration_input"  # remat=stages_offloaded: the name of each iteration's input, offloaded  # the name scope of the iterations' loop: the timeline finds the pipeline's loops by it
+SCOPE = "pipeline"  # the name scope of the iterations' loop: the timeline finds the pipeline's loops by it
+INPUT = "pipeline_iteration_input"  # remat=stages_offloaded: the name of each iteration's input, offloaded
 
 
 @dataclasses.dataclass(frozen=True)

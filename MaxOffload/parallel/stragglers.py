@@ -61,15 +61,15 @@ class Probe:
         return slowest
 
 
+def _others(values, i):
+    """The median of the other processes' values (a lone process: its own)."""
+    values = np.asarray(values, np.float64)
+    return float(np.median(np.delete(values, i))) if len(values) > 1 else float(values[i])
+
+
 def _over(values, factor, margin=0.0):
     """Indices whose value is over factor x the median of the others' values (and over it by more than `margin`)."""
-    values = np.asarray(values, np.float64)
-    found = []
-    for i, v in enumerate(values):
-        others = float(np.median(np.delete(values, i))) if len(values) > 1 else v
-        if v > factor * others and v - others >= margin:
-            found.append(i)
-    return found
+    return [i for i, v in enumerate(values) if v > factor * _others(values, i) and v - _others(values, i) >= margin]
 
 
 def slow(p50s, probes, factor, step_s):
@@ -105,7 +105,7 @@ def describe(found, factor):
     p50s, probes = s["own_p50_s"], s["probe_s"]
 
     def ratio(values, i):
-        others = float(np.median(np.delete(np.asarray(values), i))) if len(values) > 1 else values[i]
+        others = _others(values, i)
         return f"{values[i] / others:.1f}x" if others > 0 else "inf x"
 
     each = []

@@ -83,7 +83,8 @@ def record(output_dir, row, fresh):
 def totals(rows):
     """The segments' sums. Steps are trained again only after a segment that did not end gracefully (killed: it
     wrote no line), so their time is in no segment's wall time: it is added to the wall time as lost (what that
-    segment ran at least), and so is a restart's time between a failed job step and its segment. goodput = the steps' time / the wall time."""
+    segment ran at least), and so is a restart's time between a failed job step and its segment. goodput = the
+    steps' time / the wall time."""
     sums = {key: sum(r[key] for r in rows) for key in ("wall_s", *BUCKETS)}
     restart = sum(r["restart_s"] for r in rows if isinstance(r.get("restart_s"), (int, float)))
     wall = sums["wall_s"] + sums["lost_s"] + restart
@@ -99,5 +100,4 @@ def describe(t):
     return (f"goodput {t['goodput']:.1%}: steps {t['productive_s']:.1f} s of {t['wall_s']:.1f} s wall over "
             f"{t['segments']} segment(s) (compile {t['compile_s']:.1f} s, checkpoints {t['checkpoint_s']:.1f} s, "
             f"evaluation {t['evaluation_s']:.1f} s, restarts {t['restart_s']:.1f} s, {t['lost_steps']} steps lost "
-            f"{t['lost_s']:.1f} s, "
-            f"other {t['other_s']:.1f} s)")
+            f"{t['lost_s']:.1f} s, other {t['other_s']:.1f} s)")
