@@ -349,6 +349,9 @@ def _error_cases(tmp):
         "num_layers_too_many": (dry + ["model.num_layers=100000"], ["100,000 layers", "model.num_layers"]),
         "head_dim_huge": (dry + ["model.head_dim=2147483646"], ["parameters per token", "model.emb_dim"]),
         "seed_huge": (dry + ["run.seed=10000000000000000000000"], ["run.seed", "extra digit"]),
+        # the planner reads the scanned layer segments: unrolled layers planned nothing (measured on the v5e)
+        "auto_with_unrolled_layers": (dry + ["remat.policy=auto", "model.scan_layers=false"],
+                                      ["remat.policy=auto", "model.scan_layers=false"]),
         "all_to_all_with_a_capacity": (dry + ["mesh.exchange=all_to_all", "model.capacity_factor=1.0"],
                                        ["mesh.exchange=all_to_all is dropless", "model.capacity_factor=0"]),
     }

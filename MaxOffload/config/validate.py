@@ -108,6 +108,8 @@ def _validate_remat(cfg):
     if remat.policy == policy.AUTO:  # the planner chooses per model group; remat.tensors pin decisions
         _require(not remat.groups, f"remat.policy=auto plans the layer groups itself; drop remat.groups."
                                    f"{next(iter(remat.groups), '')} or choose a preset")
+        _require(cfg.model.scan_layers, "remat.policy=auto plans from the scanned layer segments, which a Python loop "
+                                        "of layers has not; drop model.scan_layers=false or choose a preset")
         remat = remat.copy_and_resolve_references()
         with remat.unlocked():
             remat.policy = "custom"  # only the layer ranges are checked below
