@@ -316,19 +316,25 @@ MASKED_GROUPED_CONVOLUTION = "transpose(ragged_dot): the expert weights' gradien
 
 
 def tpu_splash_flops(ins):
-    """Splash attention's matmuls (models/attention/splash.py), its operands (after two mask operands) q [b,
-    heads, T, d], k, v [b, kv_heads, T, dv]: the blocks on and below the diagonal, n (n + 1) / 2 of block^2 pairs
-    (block: kernels.splash_block), at 2 (d + dv) per pair forward (splash_mha_fwd*) and 2 (3 d + 2 dv) for the fused
+    """Splash attention's matmuls (models/attention/splash.py), its operands (after two mask operands, the block
+    tables [heads, T / block, S / block]) q [b, heads, T, d], k, v [b, kv_heads, S, dv]: the blocks on and below
+    the diagonal, n (n + 1) / 2 of block^2 pairs (S = T; over context shards S > T, the shard's share), at 2 (d + dv) per pair forward (splash_mha_fwd*) and 2 (3 d + 2 dv) for the fused
     backward (splash_mha_dkv*: QK^T recomputed, dV, dP, dQ, dK)."""
     from MaxOffload.models.kernels import splash_block
 
     operands = _tpu_operands(ins)
     if len(operands) < 5 or len(operands[2]) != 4:
         return 0
-    (batch, heads, length, d), dv = operands[2], operands[4][-1]
-    block = splash_block(length) or length
+    (batch, heads, length, d), keys, dv = operands[2], operands[3][-2], operands[4][-1]
+    tables = operands[0]  # the mask's block tables [heads, query blocks, key blocks]: the kernel's block
+    block = length // tables[1] if len(tables) == 3 and tables[1] and length % tables[1] == 0 else (
+        splash_block(length) or length)
     blocks = length // block
     pairs = blocks * (blocks + 1) // 2 * block * block
+    if keys > length:  # a context shard's rows against the whole sequence's keys (splash.context_splash_attention):
+        #                its share of the causal blocks, on average over the shards (in sequence order the later
+        #                shards compute more; load-balanced each the same), length (keys + block) / 2 pairs
+        pairs = length * (keys + block) // 2
     per_pair = (3 * d + 2 * dv) if "_dkv" in ins.name else (d + dv)
     return 2 * batch * heads * pairs * per_pair
 

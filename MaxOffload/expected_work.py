@@ -29,8 +29,10 @@ def attention_work_multiple(kernel, length, qk_dim, v_dim, block=BLOCK, layout=N
             return 2.0
         return xla_work_multiple(length, block)
     per_pair = (8 * qk_dim + 6 * v_dim) / (6 * (qk_dim + v_dim))
-    if kernels.is_splash(kernel):  # whole blocks on and below the diagonal (audit.tpu_splash_flops)
-        return (length + (kernels.splash_block(length, kernel) or length)) / length * per_pair
+    if kernels.is_splash(kernel):  # whole blocks on and below the diagonal (audit.tpu_splash_flops); over context
+        #                             shards, of each shard's chunks of rows (splash.context_splash_attention)
+        piece = length // layout.context_ways // (2 if layout.token_order(length) is not None else 1)
+        return (length + (kernels.splash_block(piece, kernel) or length)) / length * per_pair
     if layout.gathers_context and layout.token_order(length) is None:
         ways = layout.context_ways
         return ((length // ways + 1) / length + 2 - 2 / ways) * per_pair

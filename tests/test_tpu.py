@@ -253,11 +253,14 @@ def test_the_v5e_programs_are_predicted_within_15_percent_and_ordered_as_measure
 
 def test_splash_attention_equals_the_xla_path_per_shard():
     """jax's splash kernel, interpreted on the CPU, per shard of batch x heads meshes (a tensor axis wider than the
-    kv heads included) and with MLA's narrower v: the outputs and all three gradients of the XLA path."""
+    kv heads included) and with MLA's narrower v, and over a sequence split by context axes (each shard's queries
+    against the gathered keys: in sequence order, and load-balanced, whose rows' positions and keys' order the
+    kernel's mask must follow): the outputs and all three gradients of the XLA path on the whole sequence."""
     result = run_cli(["tests/helpers/splash_check.py"], timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     cases = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(cases) == {"gqa_data2_tensor2", "gqa_tensor4_wider_than_kv", "mla_data2_tensor2"}
+    assert set(cases) == {"gqa_data2_tensor2", "gqa_tensor4_wider_than_kv", "mla_data2_tensor2", "context4_gqa",
+                          "context2_balanced_gqa_data2", "context4_balanced_mla"}
     for name, case in cases.items():
         assert case["output"] < 1e-5 and case["gradients"] < 1e-4, (name, case)
 
@@ -287,9 +290,30 @@ def test_splash_on_a_deviceless_v5e_never_holds_the_scores(tmp_path):
                                                                                   rel=0.02)
 
 
+@pytest.mark.stack("py311")
+def test_splash_over_context_shards_on_a_deviceless_v5e_counts_each_shards_causal_blocks(tmp_path):
+    """A sequence of 1,024 tokens load-balanced over 4 context shards of a deviceless 2x2 v5e: splash runs on each
+    shard's 256 rows (two chunks of 128, one block each) against the gathered 1,024 keys, and the audit counts from
+    the kernel's operands (its block tables give the block) exactly the causal blocks' share the model's formula
+    says, (T + block) / T of the causal half (not the whole rows x keys, nor blocks of 256)."""
+    out = tmp_path / "context"
+    result = run_cli(["-m", "MaxOffload.aot", *TINY, "train.seq_len=1024", "train.per_device_batch_size=2",
+                      "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=128", "model.emb_dim=256",
+                      "model.mlp_dim=256", "model.num_layers=1", "--target", "v5e", "--topology", "2x2",
+                      "mesh.ici.context=4", "mesh.context_load_balance=true", f"run.output_dir={out}"])
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    report = json.loads((out / "aot_report.json").read_text())
+    assert report["compiled_work"]["counted_kernels"].get("splash", 0) >= 3
+    scores = report["compiled_work"]["components"]["attention_scores"]
+    expected = (1024 + 128) / 1024 * (8 * 128 + 6 * 128) / (6 * 256)
+    assert scores["compiled_flops"] - scores["recompute_flops"] == pytest.approx(expected * scores["model_flops"],
+                                                                                  rel=1e-3)
+
+
 @pytest.mark.parametrize("args, says", [
     (["train.seq_len=200"], "blocks of 1024 or 512 or 256 or 128"),
-    (["--topology", "2x2", "mesh.ici.context=2"], "does not run over a context axis"),
+    (["train.seq_len=512", "--topology", "2x2", "mesh.ici.context=4", "mesh.context_load_balance=true"],
+     "a shard's chunk of 64 tokens (load-balanced: half its rows)"),
 ])
 def test_what_splash_cannot_run_is_one_line(args, says, tmp_path):
     result = run_cli(["-m", "MaxOffload.aot", *TINY, "--target", "v5e", "--topology", "1x1", *args,

@@ -25,19 +25,24 @@ HOST, DEVICE = "pinned_host", "device"
 
 def check_splash(model_config, seq_len, layout):
     """ConfigError (one line) for a step TPUs cannot run with their attention kernel (models/attention/splash.py):
-    a sequence no splash block divides, or a sequence split over a context axis."""
+    a sequence, or over context axes a shard's chunk of it, that no splash block divides."""
     kernel = getattr(model_config, "attention", None)
     if not kernels.is_splash(kernel or ""):
         return
     block = model_config.attention_block
+    blocks = [block] if block else kernels.SPLASH_BLOCKS
+    fix = f"{', or model.attention_block=0' if block else ''}, or model.attention=xla"
     if kernels.splash_block(seq_len, kernel) is None:
-        blocks = [block] if block else kernels.SPLASH_BLOCKS
         raise ConfigError(f"train.seq_len={seq_len}: splash attention (model.attention=auto/flash on TPUs) runs "
                           f"sequences in blocks of {' or '.join(map(str, blocks))} tokens; use a multiple of "
-                          f"{blocks[-1]}{', or model.attention_block=0' if block else ''}, or model.attention=xla")
-    if layout.context_ways > 1:
-        raise ConfigError("splash attention (model.attention=auto/flash on TPUs) does not run over a context axis "
-                          "yet: set model.attention=xla with mesh.ici/dcn.context > 1")
+                          f"{blocks[-1]}{fix}")
+    ways = layout.context_ways
+    chunk = seq_len // ways // (2 if layout.token_order(seq_len) is not None else 1)
+    if ways > 1 and kernels.splash_block(chunk, kernel) is None:
+        raise ConfigError(f"train.seq_len={seq_len} over {ways} context shards: splash attention runs a shard's "
+                          f"chunk of {chunk} tokens{' (load-balanced: half its rows)' if layout.load_balance else ''} "
+                          f"in blocks of {' or '.join(map(str, blocks))}; use a train.seq_len whose chunks are "
+                          f"multiples of {blocks[-1]}{fix}")
 
 
 def pipelined_layers(model_config):

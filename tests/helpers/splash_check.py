@@ -1,6 +1,8 @@
 """Splash attention (models/attention/splash.splash_attention, interpreted on this CPU) against the XLA path
-(models/attention/plain.causal_attention), per shard of a mesh of fake CPU devices: prints one JSON line of the largest
-output and gradient differences per case. python tests/helpers/splash_check.py (sets 8 host devices itself)."""
+(models/attention/plain.causal_attention), per shard of a mesh of fake CPU devices, and over a sequence split by
+context axes (splash.context_splash_attention: each shard's queries against the gathered keys, in sequence order and
+load-balanced): prints one JSON line of the largest output and gradient differences per case.
+python tests/helpers/splash_check.py (sets 8 host devices itself)."""
 import json
 import os
 import sys
@@ -15,12 +17,59 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from MaxOffload.models.attention.plain import causal_attention  # noqa: E402
-from MaxOffload.models.attention.splash import splash_attention  # noqa: E402
+from MaxOffload.models.attention.key_source import KeySource  # noqa: E402
+from MaxOffload.models.attention.splash import context_splash_attention, splash_attention  # noqa: E402
+from MaxOffload.parallel.layout import ParallelLayout  # noqa: E402
 
 # (name, mesh shape {data, tensor}, heads, kv heads, q/k dim, v dim)
 CASES = [("gqa_data2_tensor2", {"data": 2, "tensor": 2}, 4, 2, 64, 64),
          ("gqa_tensor4_wider_than_kv", {"data": 1, "tensor": 4}, 4, 2, 64, 64),
          ("mla_data2_tensor2", {"data": 2, "tensor": 2}, 4, 4, 64, 32)]
+# over context axes: (name, mesh shape {data, context, tensor}, load balanced, tokens, heads, kv heads, q/k dim, v
+# dim); a shard's chunk of the sequence (its rows, half of them load-balanced) is one block of 128 tokens
+CONTEXT_CASES = [("context4_gqa", {"data": 1, "context": 4, "tensor": 2}, False, 512, 4, 2, 64, 64),
+                 ("context2_balanced_gqa_data2", {"data": 2, "context": 2, "tensor": 2}, True, 512, 4, 2, 64, 64),
+                 ("context4_balanced_mla", {"data": 1, "context": 4, "tensor": 2}, True, 1024, 4, 4, 64, 32)]
+RULES = {"activation_batch": ("data",), "activation_length": ("context",), "activation_heads": ("tensor",),
+         "activation_kv_heads": ("tensor",)}
+
+
+def compare(fn, q, k, v, dout):
+    """{output, gradients, loss} of fn against causal_attention: the largest differences."""
+    def loss(f, q, k, v):
+        return jnp.sum(f(q, k, v) * dout)
+
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(causal_attention, *a), argnums=(0, 1, 2)))(q, k, v)
+    outputs = float(jnp.max(jnp.abs(jax.jit(fn)(q, k, v) - causal_attention(q, k, v))))
+    grads = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got[1], want[1]))
+    return {"output": outputs, "gradients": grads, "loss": [float(got[0]), float(want[0])]}
+
+
+def inputs(length, heads, kv_heads, d, dv):
+    keys = jax.random.split(jax.random.key(0), 4)
+    return [jax.random.normal(key, (2, length, h, dim), jnp.float32) for key, h, dim in
+            zip(keys, (heads, kv_heads, kv_heads, heads), (d, d, dv, dv))]
+
+
+def context_case(shape, balanced, length, heads, kv_heads, d, dv):
+    """The context path on a (data, context, tensor) mesh, its tokens in the layout's order (load balancing's
+    chunks), against causal_attention of the whole sequence in sequence order."""
+    devices = np.array(jax.devices()[:shape["data"] * shape["context"] * shape["tensor"]])
+    mesh = jax.sharding.Mesh(devices.reshape(shape["data"], shape["context"], shape["tensor"]),
+                             ("data", "context", "tensor"))
+    layout = ParallelLayout.of(mesh, RULES, load_balance=balanced)
+    q, k, v, dout = inputs(length, heads, kv_heads, d, dv)
+    order = layout.token_order(length)
+    order = np.arange(length) if order is None else order
+    back = np.argsort(order)
+
+    def split(q, k, v):  # the layout's token order in, sequence order out
+        q, k, v = (a[:, order] for a in (q, k, v))
+        out = context_splash_attention(q, KeySource.of_keys(q, k, v), None, "splash", layout, interpret=True)
+        return out[:, back]
+
+    return compare(split, q, k, v, dout)
 
 
 def main():
@@ -29,20 +78,11 @@ def main():
         devices = np.array(jax.devices()[:shape["data"] * shape["tensor"]]).reshape(shape["data"], shape["tensor"])
         mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
         sharding = NamedSharding(mesh, P("data", None, "tensor", None))
-        keys = jax.random.split(jax.random.key(0), 4)
-        q, k, v, dout = (jax.random.normal(key, (2, 256, h, dim), jnp.float32) for key, h, dim in
-                         zip(keys, (heads, kv_heads, kv_heads, heads), (d, d, dv, dv)))
-
-        def loss(fn, q, k, v):
-            return jnp.sum(fn(q, k, v) * dout)
-
         splash = lambda q, k, v: splash_attention(q, k, v, None, sharding, interpret=True)  # noqa: E731
-        xla = lambda q, k, v: causal_attention(q, k, v)  # noqa: E731
-        got = jax.jit(jax.value_and_grad(lambda *a: loss(splash, *a), argnums=(0, 1, 2)))(q, k, v)
-        want = jax.jit(jax.value_and_grad(lambda *a: loss(xla, *a), argnums=(0, 1, 2)))(q, k, v)
-        outputs = float(jnp.max(jnp.abs(splash(q, k, v) - xla(q, k, v))))
-        grads = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got[1], want[1]))
-        out[name] = {"output": outputs, "gradients": grads, "loss": [float(got[0]), float(want[0])]}
+        q, k, v, dout = inputs(256, heads, kv_heads, d, dv)
+        out[name] = compare(splash, q, k, v, dout)
+    for name, *case in CONTEXT_CASES:
+        out[name] = context_case(*case)
     print(json.dumps(out))
 
 

@@ -1,7 +1,8 @@
 """The context strategy `all_gather` (mesh.context_attention=all_gather; models/attention/context.py): each shard of
 a sequence split over the layout's context axes all-gathers the key source (KeySource: the keys and values, or
 MLA's latent) over those axes and attends its own queries to the whole sequence's keys. XLA path: masked by
-position (any token order: load balancing's). Flash path: the kernel on pieces, each chunk of queries to its own
+position (any token order: load balancing's). Splash path (TPUs): the kernel on the shard's queries against the
+whole sequence's keys (splash.context_splash_attention). Flash path: the kernel on pieces, each chunk of queries to its own
 keys causally and to every earlier block of keys whole, combined by log-sum-exp; no [queries, keys] mask or score
 buffer exists in the forward or the backward pass."""
 import functools
@@ -14,17 +15,18 @@ from MaxOffload.models import components, kernels
 from MaxOffload.models.attention.flash import flash_attention_piece, flash_attention_piece_vjp
 from MaxOffload.models.attention.key_source import make_keys
 from MaxOffload.models.attention.plain import Q_AXES, masked_attention
+from MaxOffload.models.attention.splash import context_splash_attention
 
 
 def attend(q, source, positions, scale, kernel, layout):
     """Causal attention of q [b, l, heads, d] (a sequence split over the layout's context axes) to the keys and
     values `source` (KeySource) makes, by `kernel` (chosen: models/kernels.attention_for); `positions` [b, l]: the
     tokens' global positions."""
-    if kernels.is_splash(kernel):  # TrainSetup refuses this layout: said here for direct callers
-        raise ValueError("splash attention does not run over a context axis yet: model.attention=xla there")
     if kernel == "xla":
         return context_attention(q, source, positions, scale, layout)
     with jax.named_scope(components.ATTENTION_SCORES):
+        if kernels.is_splash(kernel):
+            return context_splash_attention(q, source, scale, kernel, layout)
         return context_flash_attention(q, source, scale, kernel, layout)
 
 

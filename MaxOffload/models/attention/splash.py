@@ -24,7 +24,6 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
     name for them), so a remat policy keeps (remat.tensors.context=device), offloads or recomputes them: kept, the
     backward pass runs no second forward kernel. `block_sizes`: {splash BlockSizes field: size} over the block
     (benchmarks/tpu/attention.py --sweep measures such choices on the chip)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
     factor = q.shape[-1] ** -0.5 if scale is None else scale  # the kernel takes q unscaled: scaled once, here
@@ -39,22 +38,12 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
     if block is None:
         raise ValueError(f"splash attention ({kernel}) runs blocks of {kernel.partition(':')[2] or SPLASH_BLOCKS}: "
                          f"{q.shape[1]} tokens is no multiple")
+    sizes = _block_sizes(block, fused_backward, block_sizes)
 
     def local(q, k, v):
         length, heads = q.shape[1], q.shape[2]
-        # the forward kernel computes its key block in steps of at most KV_COMPUTE (measured on the v5e: 8.55
-        # against 8.95 ms at Llama-8B GQA, 4.97 against 5.10 at DeepSeek small's MLA; benchmarks/tpu/attention.py)
-        sizes = dict(block_q=block, block_kv=block, block_kv_compute=min(block, KV_COMPUTE), block_q_dkv=block,
-                     block_kv_dkv=block, block_kv_dkv_compute=block)
-        if not fused_backward:
-            sizes.update(block_q_dq=block, block_kv_dq=block)
-        sizes = kernel_lib.BlockSizes(**{**sizes, **(block_sizes or {})}, use_fused_bwd_kernel=fused_backward)
         mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * heads)
-        run = kernel_lib.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                         residual_checkpoint_name=names.CONTEXT, interpret=interpret)
-        heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [b, l, h, d] <-> [b, h, l, d]
-        return heads_first(jax.vmap(run)(heads_first(q * jnp.asarray(factor, q.dtype)), heads_first(k),
-                                         heads_first(v)))
+        return _apply(_kernel(mask, sizes, interpret), q, k, v, factor)
 
     if q_sharding is None:
         return local(q, k, v)
@@ -62,13 +51,100 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
     spec = tuple(q_sharding.spec) + (None,) * (4 - len(q_sharding.spec))
 
     def ways(entry):
-        return math.prod(q_sharding.mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+        return math.prod(q_sharding.mesh.shape[a] for a in _axes(entry))
 
     if ways(spec[1]) > 1:
         raise ValueError("splash attention runs whole sequences per shard: a split sequence takes the context path")
     if k.shape[2] % ways(spec[2]):  # a tensor axis wider than the kv heads: each shard its queries' own kv heads
-        k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
+        k, v = _repeat_kv(q.shape[2], k, v)
     per_shard = P(spec[0], spec[1], spec[2], None)
     # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
     return jax.shard_map(local, mesh=q_sharding.mesh, in_specs=(per_shard,) * 3, out_specs=per_shard,
                          check_vma=False)(q, k, v)
+
+
+def _block_sizes(block, fused_backward=True, overrides=None):
+    """splash's BlockSizes for `block`: the forward kernel computes its key block in steps of at most KV_COMPUTE
+    (measured on the v5e: 8.55 against 8.95 ms at Llama-8B GQA, 4.97 against 5.10 at DeepSeek small's MLA;
+    benchmarks/tpu/attention.py); `overrides`: {BlockSizes field: size}."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+
+    sizes = dict(block_q=block, block_kv=block, block_kv_compute=min(block, KV_COMPUTE), block_q_dkv=block,
+                 block_kv_dkv=block, block_kv_dkv_compute=block)
+    if not fused_backward:
+        sizes.update(block_q_dq=block, block_kv_dq=block)
+    return kernel_lib.BlockSizes(**{**sizes, **(overrides or {})}, use_fused_bwd_kernel=fused_backward)
+
+
+def _kernel(mask, sizes, interpret, q_seq_shards=1):
+    """The splash kernel of a MultiHeadMask (its residuals named names.CONTEXT); `q_seq_shards`: the query rows
+    split that many ways, each shard running the kernel on its rows with its slice of the mask's block tables."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+
+    return kernel_lib.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=q_seq_shards,
+                                      residual_checkpoint_name=names.CONTEXT, interpret=interpret)
+
+
+def _apply(run, q, k, v, factor):
+    """A splash kernel `run` on q [b, l, heads, d], k, v [b, s, kv_heads, .] (per row of the batch, heads first),
+    q scaled by `factor` before it (the kernel takes q unscaled)."""
+    heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [b, l, h, d] <-> [b, h, l, d]
+    return heads_first(jax.vmap(lambda q, k, v: run(q, k, v))(heads_first(q * jnp.asarray(factor, q.dtype)),
+                                                              heads_first(k), heads_first(v)))
+
+
+def _repeat_kv(heads, k, v):
+    """k, v with each kv head repeated to its queries' (a shard's heads do not hold whole groups otherwise)."""
+    return tuple(jnp.repeat(a, heads // a.shape[2], axis=2) for a in (k, v))
+
+
+def context_splash_attention(q, source, scale, kernel, layout, interpret=False):
+    """Causal attention of a sequence split over the layout's context axes (the all_gather strategy) by the splash
+    kernel: each shard all-gathers the key source (KeySource: the keys and values, or MLA's latent, expanded to the
+    whole sequence's keys and values on every shard) and runs the kernel on its own queries against them. One
+    causal mask of the whole sequence, its query rows split over the context shards (splash's q_seq_shards: each
+    shard gets its slice of the mask's block tables, so its rows' positions are offset right and the key blocks
+    past its causal edge are skipped); under load balancing the rows are the layout's token order (the mask's
+    q_sequence) and the gathered keys are put back in sequence order. The block is the largest that divides a
+    shard's chunk of the sequence (its rows, or half of them load-balanced)."""
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+
+    from MaxOffload.models.attention.plain import Q_AXES
+
+    (sources, weights), (source_specs, weight_specs) = source.shard_map_args(layout)
+    context, ways, length = layout.context, layout.context_ways, q.shape[1]
+    order = layout.token_order(length)
+    chunk = length // ways // (1 if order is None else 2)
+    block = splash_block(chunk, kernel)
+    if block is None:
+        raise ValueError(f"splash attention ({kernel}) over {ways} context shards: a shard's chunk of {chunk} "
+                         f"tokens (of {length}) is no multiple of {kernel.partition(':')[2] or SPLASH_BLOCKS}")
+    q_spec = layout.spec(Q_AXES)
+    mesh = layout.current_mesh
+    heads_ways = math.prod(mesh.shape[a] for a in _axes(q_spec[2]))
+    causal = mask_lib.CausalMask((length, length))
+    if order is not None:
+        causal.q_sequence = order  # the rows' global positions (the mask's hash includes them)
+    mask = mask_lib.MultiHeadMask([causal] * (q.shape[2] // heads_ways))
+    run = _kernel(mask, _block_sizes(block), interpret, q_seq_shards=ways)
+    run_spec = run.manual_sharding_spec(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, context)))
+    back = None if order is None else np.argsort(order)  # the gathered keys' sequence order
+    factor = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def local(q, sources, weights, run):
+        gathered = tuple(jax.lax.all_gather(a, context, axis=1, tiled=True) for a in sources)
+        if back is not None:
+            gathered = tuple(jnp.take(g, back, axis=1) for g in gathered)
+        k, v = source.keys(gathered, weights)
+        if q.shape[2] % k.shape[2]:
+            k, v = _repeat_kv(q.shape[2], k, v)
+        return _apply(run, q, k, v, factor)
+
+    # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, source_specs, weight_specs, run_spec),
+                         out_specs=q_spec, check_vma=False)(q, sources, weights, run)
+
+
+def _axes(entry):
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
