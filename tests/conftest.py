@@ -64,12 +64,13 @@ def pytest_collection_modifyitems(session, config, items):
 # quant modes in one process: the cache is keyed by the compiled program, so runs whose state has the same
 # sharding load the first one's init (a tiny DeepSeek's on 8 CPU devices: 13.4 s -> 1.0 s; fp8_check.py's bf16
 # and FP8 runs share theirs), and a job loads a reference run that an earlier job compiled (tests/test_deepseek.py's
-# single_mtp). Not the other tools: their deviceless GPU compiles are each made once (the cache does not hold them).
+# single_mtp); pipeline_check.py's cases load the inits of a model or mesh an earlier case compiled. Not the other
+# tools: their deviceless GPU compiles are each made once (the cache does not hold them).
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
 TRAIN_CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"maxoffload-tests-jax-cache-{_RUN}"),
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 CACHED = {"train.py", "tests/helpers/deepseek_mesh_losses.py", "tests/helpers/mesh_losses.py",
-          "tests/helpers/grad_accum_check.py", "tests/helpers/fp8_check.py"}
+          "tests/helpers/grad_accum_check.py", "tests/helpers/fp8_check.py", "tests/helpers/pipeline_check.py"}
 
 
 def process_env(args, env=None):
