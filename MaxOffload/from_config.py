@@ -100,4 +100,5 @@ def train_setup(cfg, devices=None, plan=None):
         reduce_gradients=cfg.train.reduce_gradients, ragged_decomposer=bool(cfg.xla.ragged_decomposer),
         numerics=numerics(cfg, plan), on_nonfinite=step.ON_NONFINITE[cfg.train.on_nonfinite],
         context_attention=cfg.mesh.context_attention, load_balance=cfg.mesh.context_load_balance,
-        pipeline_repeats=cfg.mesh.pipeline.repeats, pipeline_remat=cfg.mesh.pipeline.remat))
+        pipeline_repeats=cfg.mesh.pipeline.repeats, pipeline_remat=cfg.mesh.pipeline.remat,
+        documents=cfg.data.attend_within_documents))

@@ -255,12 +255,14 @@ def test_splash_attention_equals_the_xla_path_per_shard():
     """jax's splash kernel, interpreted on the CPU, per shard of batch x heads meshes (a tensor axis wider than the
     kv heads included) and with MLA's narrower v, and over a sequence split by context axes (each shard's queries
     against the gathered keys: in sequence order, and load-balanced, whose rows' positions and keys' order the
-    kernel's mask must follow): the outputs and all three gradients of the XLA path on the whole sequence."""
+    kernel's mask must follow), and with rows of packed documents (the kernel's segment ids; sharded, MLA, over
+    context shards): the outputs and all three gradients of the XLA path on the whole sequence."""
     result = run_cli(["tests/helpers/splash_check.py"], timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     cases = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(cases) == {"gqa_data2_tensor2", "gqa_tensor4_wider_than_kv", "mla_data2_tensor2", "context4_gqa",
-                          "context2_balanced_gqa_data2", "context4_balanced_mla"}
+                          "context2_balanced_gqa_data2", "context4_balanced_mla", "packed_gqa_data2_tensor2",
+                          "packed_mla_data2_tensor2", "packed_context2_balanced_gqa"}
     for name, case in cases.items():
         assert case["output"] < 1e-5 and case["gradients"] < 1e-4, (name, case)
 

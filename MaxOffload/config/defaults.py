@@ -202,6 +202,10 @@ SCHEMA = {
                      "model.vocab_size must cover its vocabulary"),
         "eval_fraction": (0.05, "fraction of documents held out for evaluation (data.source=text; a prepared "
                                 "directory's split is fixed by prepare --eval_fraction)"),
+        "attend_within_documents": (False, "rows hold documents packed end to end, each ended by the tokenizer's "
+                                           "end-of-text token (data.source=text|tokens): a token attends only to "
+                                           "earlier tokens of its own document; false: to every earlier token "
+                                           "of its row"),
     },
     "profile": {
         "mode": ("off", "profile a window of steps: off | xprof (jax.profiler trace in <run.output_dir>/profile, "

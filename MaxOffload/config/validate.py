@@ -257,6 +257,9 @@ def validate(cfg):
         _require(isinstance(path, str), f"data.text_files: {path!r} is not a path; give file names")
         _require(os.path.isfile(path), f"data.text_files: {path} not found; give existing UTF-8 text files")
     _require(0 < data.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
+    _require(not (data.attend_within_documents and data.source == "synthetic"),
+             "data.attend_within_documents=true: synthetic rows are random tokens, not documents; use "
+             "data.source=text or data.source=tokens")
     if data.source == "text":
         _require(model.vocab_size >= tokenizer.VOCAB_SIZE,
                  f"model.vocab_size={model.vocab_size} is below the byte tokenizer's {tokenizer.VOCAB_SIZE} "

@@ -2,7 +2,8 @@
 
 A batch is a dict of numpy arrays [rows, seq_len]: `inputs` and `targets` (int32 token
 ids, targets = inputs shifted by one) and `mask` (float32, 0 where the loss must ignore
-a position, e.g. padding).
+a position, e.g. padding); with data.attend_within_documents, `documents` (int32: which of
+the documents packed into its row each input token belongs to, from the end-of-text tokens).
 
 Sources (data.source): `text` (text.py: byte-level tokens of data.text_files or the bundled
 docs, built in memory), `tokens` (tokenized.py: a directory written by
@@ -26,9 +27,9 @@ def build(cfg, process_index=0, process_count=1):
     if cfg.data.source == "synthetic":
         return synthetic.SyntheticData(vocab_size=cfg.model.vocab_size, **kwargs)
     if cfg.data.source == "tokens":
-        return tokenized.TokenizedData(cfg.data.path, **kwargs)
+        return tokenized.TokenizedData(cfg.data.path, documents=cfg.data.attend_within_documents, **kwargs)
     return text.TextData(text.load_documents(list(cfg.data.text_files)), eval_fraction=cfg.data.eval_fraction,
-                         **kwargs)
+                         attend_within_documents=cfg.data.attend_within_documents, **kwargs)
 
 
 def micro_batches(data, step, k):

@@ -40,12 +40,14 @@ class TextData(tokenized.TokenWindows):
     the held-out tokens are read in order for evaluation.
     """
 
-    def __init__(self, documents, *, eval_fraction, global_batch, seq_len, seed, process_index=0, process_count=1):
+    def __init__(self, documents, *, eval_fraction, global_batch, seq_len, seed, process_index=0, process_count=1,
+                 attend_within_documents=False):
         tokens, offsets = tokenized.encode_documents(documents, tokenizer.BYTE)
         ranges, train_tokens, _ = tokenized.split_layout(offsets, eval_fraction)
         stream = tokenized.apply_layout(tokens, ranges)
         super().__init__(stream[:train_tokens], stream[train_tokens:], global_batch=global_batch, seq_len=seq_len,
-                         seed=seed, process_index=process_index, process_count=process_count, source="data")
+                         seed=seed, process_index=process_index, process_count=process_count, source="data",
+                         eos_id=tokenizer.BYTE.eos_id if attend_within_documents else None)
         self.description = (f"byte-level text: {len(documents)} documents, {len(self.train_stream):,} train / "
                             f"{len(self.eval_stream):,} held-out tokens, {self.num_windows:,} windows of "
                             f"{seq_len + 1}")

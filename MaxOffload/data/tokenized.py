@@ -106,12 +106,15 @@ def apply_layout(tokens, ranges):
 class TokenWindows:
     """Batches from a training token array and a held-out token array (np.ndarray or np.memmap).
 
-    Subclasses build the arrays and a `description`; everything about reading is here.
+    Subclasses build the arrays and a `description`; everything about reading is here. With `eos_id` (the
+    tokenizer's end-of-text id, data.attend_within_documents) a batch also holds `documents` [rows, seq_len] int32:
+    which of the documents packed into its row each input token belongs to (the end-of-text token belongs to the
+    document it ends).
     """
 
     def __init__(self, train_tokens, eval_tokens, *, global_batch, seq_len, seed, process_index=0, process_count=1,
-                 source="data"):
-        self.train_stream, self.eval_stream = train_tokens, eval_tokens
+                 source="data", eos_id=None):
+        self.train_stream, self.eval_stream, self.eos_id = train_tokens, eval_tokens, eos_id
         self.global_batch, self.seq_len, self.seed = global_batch, seq_len, seed
         self.rows = slice(process_index * global_batch // process_count,
                           (process_index + 1) * global_batch // process_count)
@@ -135,8 +138,15 @@ class TokenWindows:
         ids = self.window_ids(step)[self.rows]
         s = self.seq_len
         windows = np.stack([np.asarray(self.train_stream[i * s: i * s + s + 1]) for i in ids]).astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:],
-                "mask": np.ones((len(ids), s), np.float32)}
+        return self._documents({"inputs": windows[:, :-1], "targets": windows[:, 1:],
+                                "mask": np.ones((len(ids), s), np.float32)})
+
+    def _documents(self, batch):
+        """The batch with its rows' `documents` when the reader has an eos_id."""
+        if self.eos_id is None:
+            return batch
+        ends = batch["inputs"] == self.eos_id
+        return {**batch, "documents": (np.cumsum(ends, axis=1) - ends).astype(np.int32)}
 
     def eval_batches(self, count):
         """`count` batches read in order from the held-out tokens, padded (mask 0) where they run out.
@@ -151,7 +161,8 @@ class TokenWindows:
             for k, g in enumerate(rows):
                 piece = np.asarray(self.eval_stream[g * s: g * s + s + 1])
                 windows[k, :len(piece)], valid[k, :len(piece)] = piece, 1.0
-            batches.append({"inputs": windows[:, :-1], "targets": windows[:, 1:], "mask": valid[:, 1:]})
+            batches.append(self._documents({"inputs": windows[:, :-1], "targets": windows[:, 1:],
+                                            "mask": valid[:, 1:]}))
         return batches
 
 
@@ -241,12 +252,17 @@ def open_tokens(path, meta=None):
 class TokenizedData(TokenWindows):
     """A directory written by `python -m MaxOffload.data.prepare` (data.source=tokens), memory-mapped."""
 
-    def __init__(self, path, *, global_batch, seq_len, seed, process_index=0, process_count=1):
+    def __init__(self, path, *, global_batch, seq_len, seed, process_index=0, process_count=1, documents=False):
         self.path, self.meta = path, read_meta(path)
         tokens = open_tokens(path, self.meta)
         cut = self.meta["train_tokens"]
+        if documents and not isinstance(self.meta.get("eos_id"), int):
+            raise ConfigError(f"data.path={path}: {META} names no eos_id, which data.attend_within_documents=true "
+                              "needs to find the documents: prepare the directory again (python -m "
+                              "MaxOffload.data.prepare), or set data.attend_within_documents=false")
         super().__init__(tokens[:cut], tokens[cut:], global_batch=global_batch, seq_len=seq_len, seed=seed,
-                         process_index=process_index, process_count=process_count, source=f"data.path={path}")
+                         process_index=process_index, process_count=process_count, source=f"data.path={path}",
+                         eos_id=self.meta["eos_id"] if documents else None)
         m = self.meta
         self.description = (f"prepared tokens {path} ({m['tokenizer']['name']}, vocab {m['vocab_size']:,}): "
                             f"{m['num_documents']:,} documents, {len(self.train_stream):,} train / "

@@ -305,7 +305,7 @@ class MLA(nnx.Module):
                         init_std)
 
     def _rope(self, x, positions):
-        x = apply_rope(x, positions, jnp.asarray(self.inv_freq, jnp.float32))
+        x = apply_rope(x, positions.index, jnp.asarray(self.inv_freq, jnp.float32))
         return x if self.rope_amplitude == 1.0 else x * self.rope_amplitude
 
     @components.scoped(components.PROJECTIONS)
@@ -433,23 +433,24 @@ class DeepSeek(DecoderModel):
         if c.mtp_depth:  # created last: the main model's parameters are the same with and without MTP
             self.mtp_layers = stacked_layers(lambda r: MTPLayer(c, rngs=r, **kind), c.mtp_depth, rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, documents=None):
         """tokens [batch, length] int32 -> (logits [batch, length, vocab] float32, aux): aux as `hidden` gives it,
-        with MTP's hidden states made "mtp_logits" [depth, batch, length, vocab]."""
-        normed, embed, aux = self.hidden(tokens)
+        with MTP's hidden states made "mtp_logits" [depth, batch, length, vocab] (documents: as losses takes them)."""
+        normed, embed, aux = self.hidden(tokens, documents)
         if "mtp_hidden" in aux:
             aux["mtp_logits"] = self.unembed_normed(aux.pop("mtp_hidden"), embed)
         return self.unembed_normed(normed, embed), aux
 
-    def hidden(self, tokens):
-        """tokens [batch, length] int32 -> (normalised hidden states, the embedding table, aux) (DecoderModel.hidden).
+    def hidden(self, tokens, documents=None):
+        """tokens [batch, length] int32 -> (normalised hidden states, the embedding table, aux) (DecoderModel.hidden;
+        documents: as DecoderModel.losses takes them).
 
         aux: "aux_loss" (weighted sequence-wise balance loss), "metrics" (expert-load statistics),
         "model_state" (the router biases after this step's auxiliary-loss-free update) and, with MTP,
         "mtp_hidden" [depth, batch, length, emb]: depth k's normalised hidden states at position i predict the token
         k + 1 positions after tokens[i] (positions past the sequence's end are the train step's to mask)."""
         c, host = self.config, self.params_on_host
-        x, positions, embed = self.embed_tokens(tokens)
+        x, positions, embed = self.embed_tokens(tokens, documents)
         if c.first_k_dense:
             x = run_layers(self.dense_layers, x, positions, self.dense_segments, c.scan_layers, host)
         stats = []  # (the MoE module's path, statistics [layers, ...], global layer indices) per MoE stack

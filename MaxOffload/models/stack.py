@@ -8,6 +8,7 @@ from flax import nnx
 from MaxOffload.models import components, cross_entropy
 from MaxOffload.models.layers import BATCH_LENGTH_EMBED, RMSNorm, param
 from MaxOffload.models.model_context import ModelContext
+from MaxOffload.models.positions import Positions
 from MaxOffload.parallel import pipeline
 
 
@@ -56,11 +57,14 @@ def run_layers(layers, x, positions, segments, scan, params_on_host=False, with_
             raise ValueError("the pipelined stack runs one remat segment (one policy for its layers)")
         (_, _, policy, label), = segments
 
-        def stage_fn(weights, h, rows_positions):
-            return _segments(graphdef, weights, h, rows_positions, ((0, _depth(weights), policy, label),), scan,
-                             params_on_host, None)
+        if positions.document is not None:  # TrainSetup refuses this: said here for direct callers
+            raise ValueError("pipeline stages run every row at one set of positions: no documents within rows")
 
-        x, outputs = pipeline.run(layout.pipeline, layout.mesh, stage_fn, stacked, x, positions[0])
+        def stage_fn(weights, h, rows_positions):
+            return _segments(graphdef, weights, h, Positions(rows_positions), ((0, _depth(weights), policy, label),),
+                             scan, params_on_host, None)
+
+        x, outputs = pipeline.run(layout.pipeline, layout.mesh, stage_fn, stacked, x, positions.index[0])
         return (x, outputs) if with_outputs else x
     x, outputs = _segments(graphdef, stacked, x, positions, segments, scan, params_on_host, per_layer)
     return (x, outputs) if with_outputs else x
@@ -135,16 +139,18 @@ class DecoderModel(nnx.Module):
         unchanged by default (a family with state of its own, e.g. router biases, updates it)."""
         return nnx.to_pure_dict(nnx.state(self, nnx.Not(nnx.Param)))
 
-    def hidden(self, tokens):
-        """tokens [batch, length] int32 -> (the normalised final hidden states [batch, length, emb] in the layout's
-        token order, the embedding table on the device, aux: what target_losses consumes and the step's extras,
-        as train/step.TrainSetup.forward lists them)."""
-        raise NotImplementedError(f"{type(self).__name__} gives hidden(tokens) -> (hidden states, embedding, aux)")
+    def hidden(self, tokens, documents=None):
+        """tokens [batch, length] int32 (documents: as losses takes them) -> (the normalised final hidden states
+        [batch, length, emb] in the layout's token order, the embedding table on the device, aux: what target_losses
+        consumes and the step's extras, as train/step.TrainSetup.forward lists them)."""
+        raise NotImplementedError(f"{type(self).__name__} gives hidden(tokens, documents) -> (hidden states, "
+                                  "embedding, aux)")
 
-    def losses(self, tokens, targets, mask):
+    def losses(self, tokens, targets, mask, documents=None):
         """(sum of next-token cross-entropy over the positions where mask=1, their number, this family's losses of
-        the targets (target_losses), aux): the training loss's terms, no logits kept whole (cross_entropy)."""
-        x, embed, aux = self.hidden(tokens)
+        the targets (target_losses), aux): the training loss's terms, no logits kept whole (cross_entropy).
+        documents [batch, length]: which document of its row each token belongs to (embed_tokens), or None."""
+        x, embed, aux = self.hidden(tokens, documents)
         extra, aux = self.target_losses(aux, targets, mask, embed)
         return (*self.cross_entropy(x, embed, *self.laid_out(targets, mask)), extra, aux)
 
@@ -154,8 +160,9 @@ class DecoderModel(nnx.Module):
         device (the output head, when tied)."""
         return 0.0, aux
 
-    def embed_tokens(self, tokens):
-        """tokens [batch, length] int32 -> (x [batch, length, emb] in the compute dtype, positions, the
+    def embed_tokens(self, tokens, documents=None):
+        """tokens [batch, length] int32 -> (x [batch, length, emb] in the compute dtype, positions (models/positions.
+        Positions, with `documents` [batch, length], which document of its row each token belongs to, or None), the
         embedding table on the device). x and positions are in the layout's token order (load balancing over
         the context axes reorders the sequence; parallel/layout.token_order): the layers see each token's global
         position, and the logits come out in that order too (the loss lays its targets out the same way:
@@ -163,7 +170,8 @@ class DecoderModel(nnx.Module):
         cdt = jnp.dtype(self.config.compute_dtype)
         order = self.ctx.layout.token_order(tokens.shape[1])
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32) if order is None else jnp.asarray(order)
-        positions = jnp.broadcast_to(positions, tokens.shape)
+        positions = Positions(jnp.broadcast_to(positions, tokens.shape),
+                              None if documents is None else self.in_layout_order(documents))
         tokens = self.in_layout_order(tokens)
         embed = to_device(self.embed[...], self.params_on_host)
         return self.ctx.constrain(jnp.take(embed, tokens, axis=0).astype(cdt), BATCH_LENGTH_EMBED), positions, embed
@@ -232,13 +240,13 @@ class SingleStackDecoder(DecoderModel):
                                      self.ctx.layout.pipeline)
         self.init_head(c, rngs)
 
-    def hidden(self, tokens):
-        x, positions, embed = self.embed_tokens(tokens)
+    def hidden(self, tokens, documents=None):
+        x, positions, embed = self.embed_tokens(tokens, documents)
         x = run_layers(self.layers, x, positions, self.remat_segments, self.config.scan_layers, self.params_on_host,
                        layout=self.ctx.layout)
         return self.final_normed(x), embed, {}
 
-    def __call__(self, tokens):
-        """tokens [batch, length] int32 -> logits [batch, length, vocab] float32."""
-        x, embed, _ = self.hidden(tokens)
+    def __call__(self, tokens, documents=None):
+        """tokens [batch, length] int32 -> logits [batch, length, vocab] float32 (documents: as losses takes them)."""
+        x, embed, _ = self.hidden(tokens, documents)
         return self.unembed_normed(x, embed)

@@ -45,6 +45,19 @@ def check_splash(model_config, seq_len, layout):
                           f"multiples of {blocks[-1]}{fix}")
 
 
+def check_documents(model_config, layout):
+    """ConfigError (one line) for a layout that cannot keep packed documents apart (data.attend_within_documents):
+    pipeline stages (every row runs at one set of positions) and the flash kernel over context shards (its pieces
+    take no mask)."""
+    if layout.pipeline is not None:
+        raise ConfigError("data.attend_within_documents=true: pipeline stages (mesh stage > 1) run every row at one "
+                          "set of positions, with no documents within rows; set mesh.ici/dcn.stage=1 or "
+                          "data.attend_within_documents=false")
+    if layout.context_ways > 1 and model_config.attention.startswith("flash:"):
+        raise ConfigError("data.attend_within_documents=true: the flash kernel over context shards takes no mask of "
+                          "documents; set model.attention=xla there, or data.attend_within_documents=false")
+
+
 def pipelined_layers(model_config):
     """How many layers the model's pipelined group (pipelined_group) has: 0 where it has none."""
     start, stop = model_config.layer_groups().get(model_config.pipelined_group(), (0, 0))
@@ -130,6 +143,9 @@ class StepSpec:
     # pipeline's
     pipeline_repeats: int = 1
     pipeline_remat: str = "layers"  # parallel/pipeline.Pipeline.remat
+    # rows hold packed documents (data.attend_within_documents): a batch carries `documents` and a token attends only
+    # within its own
+    documents: bool = False
 
 
 class TrainSetup:
@@ -160,6 +176,8 @@ class TrainSetup:
         if self.ragged_decomposed:
             self.compiler_options.update(xla.RAGGED_DECOMPOSER)
         check_splash(self.model_config, spec.seq_len, self.layout)
+        if spec.documents:
+            check_documents(self.model_config, self.layout)
         # Param = trained by the optimizer; any other Variable (e.g. MoE router biases) is model
         # state that the model itself updates, returned in aux["model_state"].
         self.graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(self._model), nnx.Param, ...)
@@ -345,7 +363,8 @@ class TrainSetup:
         are divided by `micro_batches`, so that the micro-batches' objectives sum to the step's. `graphdef`: the
         model's (default: self.graphdef; a data replica's share: self.replica_graphdef)."""
         model = nnx.merge(graphdef or self.graphdef, params, model_state)
-        total, own, extra, aux = model.losses(batch["inputs"], batch["targets"], batch["mask"])
+        total, own, extra, aux = model.losses(batch["inputs"], batch["targets"], batch["mask"],
+                                              batch.get("documents"))
         count = jnp.maximum(own, 1.0) if count is None else count
         return total / count + aux.get("aux_loss", 0.0) / micro_batches + extra / micro_batches, aux
 
@@ -452,7 +471,7 @@ class TrainSetup:
 
     def eval_step(self, params, model_state, batch):
         model = nnx.merge(self.eval_graphdef, params, model_state)
-        x, embed, _ = model.hidden(batch["inputs"])
+        x, embed, _ = model.hidden(batch["inputs"], batch.get("documents"))
         return model.cross_entropy(x, embed, *model.laid_out(batch["targets"], batch["mask"]))
 
     def abstract_batch(self, step=True):
@@ -461,12 +480,16 @@ class TrainSetup:
         shape = (self.batch_rows, self.seq_len)
         shape, sharding = ((self.micro_batches, *shape), self.step_batch_sharding) \
             if step and self.micro_batches > 1 else (shape, self.batch_sharding)
-        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
-        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, dtype in dtypes.items()}
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, dtype in self.batch_dtypes().items()}
+
+    def batch_dtypes(self):
+        """{key: dtype} of a batch (MaxOffload.data): `documents` too where rows hold packed documents."""
+        return {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32,
+                **({"documents": jnp.int32} if self.spec.documents else {})}
 
     def batch_shardings(self, step=True):
         sharding = self.step_batch_sharding if step else self.batch_sharding
-        return {"inputs": sharding, "targets": sharding, "mask": sharding}
+        return {key: sharding for key in self.batch_dtypes()}
 
     def jitted_train_step(self):
         """The training step under jit with explicit shardings; the state is donated."""

@@ -20,31 +20,36 @@ from MaxOffload.models.attention.splash import context_splash_attention
 
 def attend(q, source, positions, scale, kernel, layout):
     """Causal attention of q [b, l, heads, d] (a sequence split over the layout's context axes) to the keys and
-    values `source` (KeySource) makes, by `kernel` (chosen: models/kernels.attention_for); `positions` [b, l]: the
-    tokens' global positions."""
+    values `source` (KeySource) makes, by `kernel` (chosen: models/kernels.attention_for); `positions`: the tokens'
+    models/positions.Positions (global positions; documents: each token attends within its own)."""
     if kernel == "xla":
         return context_attention(q, source, positions, scale, layout)
     with jax.named_scope(components.ATTENTION_SCORES):
         if kernels.is_splash(kernel):
-            return context_splash_attention(q, source, scale, kernel, layout)
+            return context_splash_attention(q, source, scale, kernel, layout, documents=positions.document)
+        if positions.document is not None:  # TrainSetup refuses this: said here for direct callers
+            raise ValueError("the flash kernel over context shards runs no document mask: model.attention=xla")
         return context_flash_attention(q, source, scale, kernel, layout)
 
 
 @components.scoped(components.ATTENTION_SCORES)
 def context_attention(q, source, positions, scale, layout):
     """Causal attention of a sequence split over the layout's context axes, the XLA path: each shard all-gathers
-    the key source (KeySource) and the positions over those axes, makes the keys and values of the whole sequence
-    and attends its own queries to them by position (masked_attention), so a load-balanced token order needs
-    nothing else. Per shard: keys and values of the whole sequence, scores of its queries x every key."""
+    the key source (KeySource) and the positions (and documents) over those axes, makes the keys and values of the
+    whole sequence and attends its own queries to them by position (masked_attention), so a load-balanced token
+    order needs nothing else. Per shard: keys and values of the whole sequence, scores of its queries x every key."""
     (sources, weights), (source_specs, weight_specs) = source.shard_map_args(layout)
     context = layout.context
 
-    def local(q, sources, weights, q_positions):
+    def local(q, sources, weights, positions):
         gather = lambda a: jax.lax.all_gather(a, context, axis=1, tiled=True)  # noqa: E731
         k, v = source.keys(tuple(gather(a) for a in sources), weights)
-        return masked_attention(q, k, v, q_positions, gather(q_positions), scale)
+        everyone = jax.tree.map(gather, positions)
+        return masked_attention(q, k, v, positions.index, everyone.index, scale, q_documents=positions.document,
+                                k_documents=everyone.document)
 
-    specs = (layout.spec(Q_AXES), source_specs, weight_specs, layout.spec(Q_AXES[:2]))
+    rows = layout.spec(Q_AXES[:2])
+    specs = (layout.spec(Q_AXES), source_specs, weight_specs, jax.tree.map(lambda _: rows, positions))
     return jax.shard_map(local, mesh=layout.current_mesh, in_specs=specs, out_specs=specs[0])(q, sources, weights,
                                                                                       positions)
 

@@ -4,7 +4,7 @@
 STRATEGIES maps each name to the function that runs causal attention over the split,
 `fn(q, source, positions, scale, kernel, layout)`: q [b, l, heads, d] (this shard's queries as the layout places
 them), `source` a KeySource (models/attention/key_source.py: the keys and values, or what makes them), `positions`
-[b, l] the tokens' global positions (a load-balanced layout reorders them), `kernel` the chosen attention kernel
+the tokens' models/positions.Positions (global positions, which a load-balanced layout reorders; documents), `kernel` the chosen attention kernel
 (models/kernels.attention_for); it returns [b, l, heads, dv]. None: no function of ours, XLA's automatic
 partitioning of the whole-sequence attention. Adding a strategy is a module beside this one and one entry here;
 config/validate.py accepts the names listed here.

@@ -26,16 +26,18 @@ def attention(q, k, v, scale, kernel, layout=NONE, positions=None, source=None):
     `model.attention`: TrainSetup applies kernels.for_platform; an unchosen one is a ValueError). The flash kernel
     runs per shard of the layout's query sharding. Over a sequence split by the layout's context axes, the layout's context
     strategy (context.STRATEGIES, `mesh.context_attention`) attends with `source` (KeySource; by default k and v,
-    which are then not needed); else XLA's partitioning of the whole-sequence attention. `positions` [b, l]: the
-    tokens' global positions (needed when the layout reorders them)."""
+    which are then not needed); else XLA's partitioning of the whole-sequence attention. `positions`: the tokens'
+    models/positions.Positions (their global positions, needed when the layout reorders them; where rows hold
+    packed documents, which one each token belongs to: it attends only within it)."""
     kernel = chosen(kernel)
+    documents = None if positions is None else positions.document
     over_context = context.strategy(layout)
     if over_context is not None:
         return over_context(q, source or KeySource.of_keys(q, k, v), positions, scale, kernel, layout)
     if kernel == "xla" or (kernels.is_splash(kernel) and kernels.splash_block(q.shape[1], kernel) is None):
-        return causal_attention(q, k, v, scale)  # (splash: a length no block divides, only in shape-only traces:
-        #                                           TrainSetup refuses such a train.seq_len)
+        return causal_attention(q, k, v, scale, documents=documents)  # (splash: a length no block divides, only in
+        #                                          shape-only traces: TrainSetup refuses such a train.seq_len)
     with jax.named_scope(components.ATTENTION_SCORES):
         if kernels.is_splash(kernel):
-            return splash_attention(q, k, v, scale, layout.sharding(Q_AXES), kernel=kernel)
-        return flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES))
+            return splash_attention(q, k, v, scale, layout.sharding(Q_AXES), kernel=kernel, documents=documents)
+        return flash_attention(q, k, v, scale, kernel, layout.sharding(Q_AXES), documents=documents)

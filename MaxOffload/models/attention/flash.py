@@ -9,11 +9,14 @@ from MaxOffload.models import kernels
 from MaxOffload.models.attention import tokamax_adapter
 
 
-def flash_attention(q, k, v, scale, kernel, q_sharding=None):
+def flash_attention(q, k, v, scale, kernel, q_sharding=None, documents=None):
     """Causal attention by tokamax: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads, dv] ->
     [b, l, heads, dv]. `kernel`: from kernels.attention_for; `q_sharding`: q's NamedSharding, so that the kernel runs
-    per shard (tokamax's shard_map: batch and heads split, a split sequence sees all keys)."""
-    return kernels.import_tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True,
+    per shard (tokamax's shard_map: batch and heads split, a split sequence sees all keys). `documents` [b, l] (rows
+    holding packed documents: which one each token belongs to) or None: tokamax takes no segment ids, so the
+    kernel gets a mask of the row's token pairs [b, 1, l, l] (bool: l^2 bytes a row, 16 MiB at 4,096 tokens)."""
+    mask = None if documents is None else (documents[:, None, :, None] == documents[:, None, None, :])
+    return kernels.import_tokamax().dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
                                                           q_sharding=q_sharding,
                                                           implementation=kernels.implementation(kernel))
 

@@ -30,6 +30,23 @@ def _grouped(q, kv_heads):
     return q.reshape(b, length, kv_heads, group, d), "blkgd", "bkgls"
 
 
+def _visible(rows, keys, q_documents, k_documents, letters):
+    """Which keys each query row sees: rows [.., r] >= keys [.., s] (causal by position), and where the rows hold
+    documents (q_documents [b, r], k_documents [b, s], or None) only its own document's; shaped for the scores
+    (`letters`: _grouped's), the batch and head axes broadcast."""
+    visible = rows[..., :, None] >= keys[..., None, :]
+    if q_documents is not None:
+        visible = visible & (q_documents[:, :, None] == k_documents[:, None, :])
+    if visible.ndim == 2:
+        return visible
+    return visible.reshape(visible.shape[0], *(1,) * (len(letters[1]) - 3), *visible.shape[1:])
+
+
+def _cutter(documents):
+    """(start, stop) -> the documents [b, l] of those tokens, or None without documents."""
+    return lambda start, stop: None if documents is None else documents[:, start:stop]
+
+
 def _attend(q, k, v, visible, scale, letters):
     """Softmax(q k^T x scale, masked to `visible` [.., q rows, keys]) v, the scores in float32."""
     qs, ss = letters
@@ -40,7 +57,7 @@ def _attend(q, k, v, visible, scale, letters):
 
 
 @components.scoped(components.ATTENTION_SCORES)
-def causal_attention(q, k, v, scale=None, block=BLOCK):
+def causal_attention(q, k, v, scale=None, block=BLOCK, documents=None):
     """Causal grouped-query attention without repeating k/v, in XLA.
 
     q: [b, l, heads, d]; k: [b, l, kv_heads, d]; v: [b, l, kv_heads, dv] with heads a multiple of
@@ -49,41 +66,46 @@ def causal_attention(q, k, v, scale=None, block=BLOCK):
     Query blocks of `block` rows (the last one shorter: any length works) attend only to the keys up to their
     last row, so the work is about the causal half of the square (sum over blocks of rows x visible keys), and
     each block is recomputed in the backward pass, so the score matrix never exists whole: memory O(block x l)
-    per head (at l=8192, 128 heads, the full fp32 scores would be 34 GB per sequence and layer).
+    per head (at l=8192, 128 heads, the full fp32 scores would be 34 GB per sequence and layer). documents
+    [b, l] (rows holding packed documents: which one each token belongs to) or None: a token then sees only its own
+    document's keys.
     """
     b, length, heads, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q, *letters = _grouped(q, k.shape[2])
 
-    def attend(q_block, k_seen, v_seen, first_row):
+    def attend(q_block, k_seen, v_seen, first_row, q_documents, k_documents):
         rows = first_row + jnp.arange(q_block.shape[1])
-        return _attend(q_block, k_seen, v_seen, rows[:, None] >= jnp.arange(k_seen.shape[1])[None, :], scale,
-                       letters)
+        visible = _visible(rows, jnp.arange(k_seen.shape[1]), q_documents, k_documents, letters)
+        return _attend(q_block, k_seen, v_seen, visible, scale, letters)
 
     blocks = query_blocks(length, block)
+    cut = _cutter(documents)
     if len(blocks) == 1:
-        out = attend(q, k, v, 0)
+        out = attend(q, k, v, 0, documents, documents)
     else:
         step = jax.checkpoint(attend, static_argnums=(3,))
-        out = jnp.concatenate([step(q[:, start:stop], k[:, :stop], v[:, :stop], start) for start, stop in blocks],
-                              axis=1)
+        out = jnp.concatenate([step(q[:, start:stop], k[:, :stop], v[:, :stop], start, cut(start, stop), cut(0, stop))
+                               for start, stop in blocks], axis=1)
     return out.reshape(b, length, heads, v.shape[-1])
 
 
-def masked_attention(q, k, v, q_positions, k_positions, scale=None, block=BLOCK):
+def masked_attention(q, k, v, q_positions, k_positions, scale=None, block=BLOCK, q_documents=None,
+                     k_documents=None):
     """Attention of queries at q_positions [b, lq] to keys at k_positions [b, lk]: a query sees the keys at or
-    before its own position (causal in any token order). q [b, lq, heads, d], k, v [b, lk, kv_heads, .]. Query
-    blocks of `block` rows over all the keys, each recomputed in the backward pass (memory O(block x lk))."""
+    before its own position (causal in any token order), and with q_documents [b, lq] / k_documents [b, lk] only
+    its own document's. q [b, lq, heads, d], k, v [b, lk, kv_heads, .]. Query blocks of `block` rows over all the
+    keys, each recomputed in the backward pass (memory O(block x lk))."""
     b, length, heads, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q, *letters = _grouped(q, k.shape[2])
-    head_axes = (1,) * (len(letters[1]) - 3)  # the scores' head axes, between their batch and rows
+    cut = _cutter(q_documents)
 
-    def attend(q_block, rows):
-        visible = rows[:, :, None] >= k_positions[:, None, :]  # [b, rows, keys]
-        return _attend(q_block, k, v, visible.reshape(b, *head_axes, *visible.shape[1:]), scale, letters)
+    def attend(q_block, rows, documents):
+        return _attend(q_block, k, v, _visible(rows, k_positions, documents, k_documents, letters), scale, letters)
 
     blocks = query_blocks(length, block)
     step = jax.checkpoint(attend) if len(blocks) > 1 else attend
-    out = jnp.concatenate([step(q[:, start:stop], q_positions[:, start:stop]) for start, stop in blocks], axis=1)
+    out = jnp.concatenate([step(q[:, start:stop], q_positions[:, start:stop], cut(start, stop))
+                           for start, stop in blocks], axis=1)
     return out.reshape(b, length, heads, v.shape[-1])

@@ -14,7 +14,7 @@ KV_COMPUTE = 512  # the forward kernel's key compute block at most (splash's blo
 
 
 def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SPLASH, fused_backward=True,
-                     pad_heads=False, block_sizes=None):
+                     pad_heads=False, block_sizes=None, documents=None):
     """Causal attention by jax's Pallas splash kernel: q [b, l, heads, d], k [b, l, kv_heads, d], v [b, l, kv_heads,
     dv] -> [b, l, heads, dv], in blocks of splash_block(l, kernel) with the fused backward (`fused_backward=False`:
     splash's separate dq and dkv kernels, for benchmarks/tpu/attention.py). `q_sharding`: q's NamedSharding: the
@@ -23,7 +23,9 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
     CPU tests). The kernel's residuals (its output and the rows' log-sum-exp) are named names.CONTEXT (MaxText's
     name for them), so a remat policy keeps (remat.tensors.context=device), offloads or recomputes them: kept, the
     backward pass runs no second forward kernel. `block_sizes`: {splash BlockSizes field: size} over the block
-    (benchmarks/tpu/attention.py --sweep measures such choices on the chip)."""
+    (benchmarks/tpu/attention.py --sweep measures such choices on the chip). `documents` [b, l] (rows holding packed
+    documents: which one each token belongs to) or None: the kernel's segment ids, a token sees only its own
+    document's keys."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
     factor = q.shape[-1] ** -0.5 if scale is None else scale  # the kernel takes q unscaled: scaled once, here
@@ -32,7 +34,7 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
         lanes = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, -a.shape[-1] % SPLASH_LANES)])  # noqa: E731
         dv = v.shape[-1]
         out = splash_attention(lanes(q), lanes(k), lanes(v), factor, q_sharding, interpret, kernel, fused_backward,
-                               block_sizes=block_sizes)
+                               block_sizes=block_sizes, documents=documents)
         return out[..., :dv]
     block = splash_block(q.shape[1], kernel)
     if block is None:
@@ -40,13 +42,13 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
                          f"{q.shape[1]} tokens is no multiple")
     sizes = _block_sizes(block, fused_backward, block_sizes)
 
-    def local(q, k, v):
+    def local(q, k, v, documents):
         length, heads = q.shape[1], q.shape[2]
         mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * heads)
-        return _apply(_kernel(mask, sizes, interpret), q, k, v, factor)
+        return _apply(_kernel(mask, sizes, interpret), q, k, v, factor, documents, documents)
 
     if q_sharding is None:
-        return local(q, k, v)
+        return local(q, k, v, documents)
     P = jax.sharding.PartitionSpec
     spec = tuple(q_sharding.spec) + (None,) * (4 - len(q_sharding.spec))
 
@@ -59,8 +61,8 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
         k, v = _repeat_kv(q.shape[2], k, v)
     per_shard = P(spec[0], spec[1], spec[2], None)
     # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
-    return jax.shard_map(local, mesh=q_sharding.mesh, in_specs=(per_shard,) * 3, out_specs=per_shard,
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(local, mesh=q_sharding.mesh, in_specs=(per_shard,) * 3 + (P(spec[0], spec[1]),),
+                         out_specs=per_shard, check_vma=False)(q, k, v, documents)
 
 
 def _block_sizes(block, fused_backward=True, overrides=None):
@@ -85,12 +87,18 @@ def _kernel(mask, sizes, interpret, q_seq_shards=1):
                                       residual_checkpoint_name=names.CONTEXT, interpret=interpret)
 
 
-def _apply(run, q, k, v, factor):
+def _apply(run, q, k, v, factor, q_documents=None, k_documents=None):
     """A splash kernel `run` on q [b, l, heads, d], k, v [b, s, kv_heads, .] (per row of the batch, heads first),
-    q scaled by `factor` before it (the kernel takes q unscaled)."""
+    q scaled by `factor` before it (the kernel takes q unscaled); with q_documents [b, l] / k_documents [b, s],
+    the documents the rows' tokens belong to, as the kernel's segment ids."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+
     heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [b, l, h, d] <-> [b, h, l, d]
-    return heads_first(jax.vmap(lambda q, k, v: run(q, k, v))(heads_first(q * jnp.asarray(factor, q.dtype)),
-                                                              heads_first(k), heads_first(v)))
+    q, k, v = heads_first(q * jnp.asarray(factor, q.dtype)), heads_first(k), heads_first(v)
+    if q_documents is None:
+        return heads_first(jax.vmap(lambda q, k, v: run(q, k, v))(q, k, v))
+    return heads_first(jax.vmap(lambda q, k, v, dq, dk: run(q, k, v, kernel_lib.SegmentIds(dq, dk)))(
+        q, k, v, q_documents, k_documents))
 
 
 def _repeat_kv(heads, k, v):
@@ -98,7 +106,7 @@ def _repeat_kv(heads, k, v):
     return tuple(jnp.repeat(a, heads // a.shape[2], axis=2) for a in (k, v))
 
 
-def context_splash_attention(q, source, scale, kernel, layout, interpret=False):
+def context_splash_attention(q, source, scale, kernel, layout, interpret=False, documents=None):
     """Causal attention of a sequence split over the layout's context axes (the all_gather strategy) by the splash
     kernel: each shard all-gathers the key source (KeySource: the keys and values, or MLA's latent, expanded to the
     whole sequence's keys and values on every shard) and runs the kernel on its own queries against them. One
@@ -106,12 +114,14 @@ def context_splash_attention(q, source, scale, kernel, layout, interpret=False):
     shard gets its slice of the mask's block tables, so its rows' positions are offset right and the key blocks
     past its causal edge are skipped); under load balancing the rows are the layout's token order (the mask's
     q_sequence) and the gathered keys are put back in sequence order. The block is the largest that divides a
-    shard's chunk of the sequence (its rows, or half of them load-balanced)."""
+    shard's chunk of the sequence (its rows, or half of them load-balanced). `documents` [b, l] (in the layout's
+    token order, as q) or None: gathered as the keys are, the kernel's segment ids."""
     import numpy as np
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
     from MaxOffload.models.attention.plain import Q_AXES
 
+    P = jax.sharding.PartitionSpec
     (sources, weights), (source_specs, weight_specs) = source.shard_map_args(layout)
     context, ways, length = layout.context, layout.context_ways, q.shape[1]
     order = layout.token_order(length)
@@ -120,7 +130,7 @@ def context_splash_attention(q, source, scale, kernel, layout, interpret=False):
     if block is None:
         raise ValueError(f"splash attention ({kernel}) over {ways} context shards: a shard's chunk of {chunk} "
                          f"tokens (of {length}) is no multiple of {kernel.partition(':')[2] or SPLASH_BLOCKS}")
-    q_spec = layout.spec(Q_AXES)
+    q_spec = P(*tuple(layout.spec(Q_AXES)) + (None,) * (len(Q_AXES) - len(layout.spec(Q_AXES))))
     mesh = layout.current_mesh
     heads_ways = math.prod(mesh.shape[a] for a in _axes(q_spec[2]))
     causal = mask_lib.CausalMask((length, length))
@@ -128,22 +138,24 @@ def context_splash_attention(q, source, scale, kernel, layout, interpret=False):
         causal.q_sequence = order  # the rows' global positions (the mask's hash includes them)
     mask = mask_lib.MultiHeadMask([causal] * (q.shape[2] // heads_ways))
     run = _kernel(mask, _block_sizes(block), interpret, q_seq_shards=ways)
-    run_spec = run.manual_sharding_spec(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, context)))
+    run_spec = run.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, context)))
     back = None if order is None else np.argsort(order)  # the gathered keys' sequence order
     factor = q.shape[-1] ** -0.5 if scale is None else scale
 
-    def local(q, sources, weights, run):
-        gathered = tuple(jax.lax.all_gather(a, context, axis=1, tiled=True) for a in sources)
+    def local(q, sources, weights, run, documents):
+        gathered = tuple(jax.lax.all_gather(a, context, axis=1, tiled=True) for a in (*sources, documents)
+                         if a is not None)
         if back is not None:
             gathered = tuple(jnp.take(g, back, axis=1) for g in gathered)
-        k, v = source.keys(gathered, weights)
+        k, v = source.keys(gathered[:len(sources)], weights)
         if q.shape[2] % k.shape[2]:
             k, v = _repeat_kv(q.shape[2], k, v)
-        return _apply(run, q, k, v, factor)
+        return _apply(run, q, k, v, factor, documents, None if documents is None else gathered[-1])
 
     # Pallas kernels inside shard_map declare no per-axis variance of their outputs (check_vma off)
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, source_specs, weight_specs, run_spec),
-                         out_specs=q_spec, check_vma=False)(q, sources, weights, run)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, source_specs, weight_specs, run_spec,
+                                                     P(q_spec[0], q_spec[1])),
+                         out_specs=q_spec, check_vma=False)(q, sources, weights, run, documents)
 
 
 def _axes(entry):
