@@ -9,6 +9,7 @@ at two sizes that fill a v5e's 15.75 GiB, 4 layers x 4 rows (l4b4) and 2 layers 
     ..._b512     the same in splash blocks of 512 (MaxText's) instead of 1,024
     (all with the whole logits, model.vocab_tiles=1, as measured before tiles existed)
     ..._unrolled  the layers a Python loop (model.scan_layers=false), not a scan
+    ..._text, ..._documents  real text (data.source=text), attended across its packed documents or within each
     offload_tpu_overlap  offload under the xla.preset=tpu_overlap_offload flags
 XLA's attention unless the name says splash (auto follows model.attention=auto: splash on TPUs). And DeepSeek small
 at the chip's size (ds_xla; ds_auto, splash: configs/deepseek_v3.py:small widened to 2,048, 4 layers, 16 heads with MLA
@@ -70,6 +71,15 @@ VARIANTS.update({f"v128k_b{rows}_{loss}": (LLAMA, {**COMMON, "model.vocab_size":
                                                    "train.per_device_batch_size": rows, "remat.policy": "full"})
                  for rows in (4, 8) for loss, tiles in (("whole", 1), ("tiled", 0))})
 # (2026-12-05's device check ran remat, offload, keep and auto with XLA's attention)
+# rows of packed documents kept apart (data.attend_within_documents: splash's segment ids) against the same real text
+# (the bundled Python documentation, byte tokens) attended across documents, for Llama and DeepSeek small
+TEXT = {"data.source": "text"}
+for within in (False, True):
+    suffix = "_documents" if within else "_text"
+    VARIANTS[f"l4b4_keep_splash_context{suffix}"] = (LLAMA, {**COMMON, **SIZES["l4b4"], **POLICIES["keep_splash_context"],
+                                                            **TEXT, "data.attend_within_documents": within})
+    VARIANTS[f"ds_auto{suffix}"] = (DEEPSEEK, {**COMMON, **DEEPSEEK_SMALL, "model.attention": "auto", **TEXT,
+                                               "data.attend_within_documents": within})
 # the layers as a Python loop (model.scan_layers=false) instead of a scan: the forward's kept outputs are then buffers of
 # their own, not written into the scan's stacked buffer by the GEMM's fusion (issue 47: 165 against 190 TFLOP/s)
 VARIANTS.update({f"l4b4_{policy}_unrolled": (LLAMA, {**COMMON, **SIZES["l4b4"], **POLICIES[policy],
