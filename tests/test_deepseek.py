@@ -23,6 +23,7 @@ from MaxOffload import models
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek, exchange, kernels, matmul, moe, routing
 from MaxOffload.models.model_context import ModelContext
+from MaxOffload.models.positions import Positions
 from MaxOffload.models.rope import yarn_inv_freq
 from MaxOffload.train.flops import train_flops_per_step
 
@@ -306,7 +307,7 @@ def test_mla_matches_naive_reference():
     mla.kv_norm.scale[...] = jnp.asarray(rand(rng, kl)) + 1
     x = rand(rng, b, l, d)
     positions = np.stack([np.arange(l), np.arange(l) + 5])
-    got = np.asarray(jax.jit(lambda x, p: mla(x, p))(jnp.asarray(x), jnp.asarray(positions, jnp.int32)))
+    got = np.asarray(jax.jit(lambda x, p: mla(x, Positions(p)))(jnp.asarray(x), jnp.asarray(positions, jnp.int32)))
 
     w = {k: np.asarray(getattr(mla, k)[...], np.float64) for k in ("wq_a", "wq_b", "wkv_a", "wk_b", "wv_b", "wo")}
     x = x.astype(np.float64)

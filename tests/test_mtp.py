@@ -16,6 +16,7 @@ from test_checkpoint import losses, sigterm_and_resume
 from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import deepseek
+from MaxOffload.models.positions import Positions
 from MaxOffload.offload import placement
 
 pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
@@ -75,7 +76,7 @@ def test_logits_and_loss_match_a_reference_from_the_definition(monkeypatch):
     mtp = params["mtp_layers"]
     model = nnx.merge(setup.graphdef, params, state["model_state"])
     block_graph, block_state = nnx.split(model.mtp_layers.block)
-    positions = jnp.broadcast_to(jnp.arange(LENGTH), (2, LENGTH))
+    positions = Positions(jnp.broadcast_to(jnp.arange(LENGTH), (2, LENGTH)))
     run_block = jax.jit(lambda k, x: nnx.merge(block_graph, jax.tree.map(lambda p: p[k], block_state))(x, positions))
     ref_ce = []
     for k in range(1, 3):
