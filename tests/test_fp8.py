@@ -79,7 +79,8 @@ def test_bad_quant_settings_are_one_line(tmp_path):
 @pytest.mark.stack("py311")
 def test_fp8_storage_offloads_half_the_bytes(tmp_path):
     """quant.fp8_storage=[offloaded] (every name the plan offloads: mlpwi_0 here): the offloaded gate projection
-    goes to pinned host memory as float8_e4m3fn and its scale (two placements in the CUDA lowering, both expected), half the bytes of bfloat16."""
+    goes to pinned host memory as its float8_e4m3fn bytes and its scale (two placements in the CUDA lowering, both
+    expected), half the bytes of bfloat16."""
     args = ["-m", "MaxOffload.offload.inspect", *LLAMA, "train.per_device_batch_size=8", "remat.policy=custom",
             "remat.tensors.mlpwi_0=offload", "--no_cpu_memory"]
     found = {}
@@ -93,6 +94,33 @@ def test_fp8_storage_offloads_half_the_bytes(tmp_path):
     layers = 2  # the tiny Llama's, both offloading mlpwi_0
     assert fp8 == bf16 // 2 + 4 * layers  # the e4m3 tensor and its float32 scale per layer
     assert found["fp8"]["cuda_pinned_host_placements"] == 2 * found["bf16"]["cuda_pinned_host_placements"]
+
+
+@pytest.mark.parametrize("policy", [["remat.policy=save_all"], ["quant.fp8_storage=[mlpwi_0]", "remat.tensors.mlpwi_0=device"]],
+                         ids=["save_all", "fp8_storage_saved"])
+def test_fp8_values_a_policy_saves_come_back_whole(policy):
+    """FP8 tensors a remat policy keeps (the GEMMs' e4m3 residuals under save_all; a quant.fp8_storage activation)
+    give full remat's loss and gradients: jax.checkpoint passes a saved float tensor through reduce_precision, which
+    made e4m3's top binade (the amax element's 448 among it) infinite, and the step's loss NaN (models/fp8.as_bytes
+    saves the bytes instead)."""
+    import jax
+    import numpy as np
+    import optax
+
+    from MaxOffload import data
+
+    def step(extra):
+        cfg = load([*LLAMA, *SMALL, "quant.mode=fp8", "model.compute_dtype=float32", "data.source=synthetic",
+                    *extra])
+        setup = from_config.train_setup(cfg, jax.devices()[:1])
+        state = setup.init_state()
+        return jax.device_get(jax.jit(setup.gradients)(state["params"], state["model_state"],
+                                                       setup.put_batch(data.build(cfg).train_batch(0))))
+
+    full, kept = step(["quant.fp8_storage=[mlpwi_0]"] if "mlpwi_0" in policy[-1] else []), step(policy)
+    assert np.isfinite(kept[0]) and kept[0] == pytest.approx(full[0], rel=1e-6)
+    diff = jax.tree.map(lambda a, b: a.astype(np.float64) - b, kept[2], full[2])
+    assert float(optax.tree.norm(diff)) < 1e-5 * float(optax.tree.norm(full[2]))
 
 
 def fp8_audit(target, overrides, topology="1x1x1"):

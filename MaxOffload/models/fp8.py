@@ -48,11 +48,26 @@ def einsum_fp8(spec, x, w):
 
 def _forward(spec, x, w):
     (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
-    return jnp.einsum(spec, dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype)), (xq, sx, wq, sw)
+    return jnp.einsum(spec, dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype)), (as_bytes(xq), sx,
+                                                                                         as_bytes(wq), sw)
+
+
+def as_bytes(q):
+    """FP8 values as their bytes (uint8), for a residual or a saved activation. jax.checkpoint passes a saved
+    floating-point value through reduce_precision with its dtype's exponent and mantissa bits (jax 0.10 and 0.12),
+    whose IEEE-style semantics reserve float8_e4m3fn's top exponent (values of 256-448, the amax element's 448 among
+    them) for infinity: kept by a policy (remat.policy=save_all, or a quant.fp8_storage name saved or offloaded),
+    they turned to NaN and with them the step's loss. Bytes are saved as they are."""
+    return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def from_bytes(b, dtype=E4M3):
+    return jax.lax.bitcast_convert_type(b, dtype)
 
 
 def _backward(spec, residuals, g):
     xq, sx, wq, sw = residuals
+    xq, wq = from_bytes(xq), from_bytes(wq)
     gq, sg = quantize(g, E5M2)
     _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), dequantize(xq, sx, g.dtype), dequantize(wq, sw, g.dtype))
     return vjp(dequantize(gq, sg, g.dtype))
@@ -109,11 +124,13 @@ def ragged_dot_fp8(kernel, rows, w, sizes):
 
 def _ragged_forward(kernel, rows, w, sizes):
     (xq, sx), (wq, sw) = quantize(rows, E4M3, axes=1), quantize(w, E4M3, axes=(1, 2))
-    return kernels.ragged_dot(xq, wq, sizes, kernel, (sx, sw), rows.dtype), (xq, sx, wq, sw, sizes)
+    return kernels.ragged_dot(xq, wq, sizes, kernel, (sx, sw), rows.dtype), (as_bytes(xq), sx, as_bytes(wq), sw,
+                                                                             sizes)
 
 
 def _ragged_backward(kernel, residuals, g):
     xq, sx, wq, sw, sizes = residuals
+    xq, wq = from_bytes(xq), from_bytes(wq)
     gq, sg = quantize(g, E4M3, axes=1)
     rows = kernels.ragged_dot(gq, wq.transpose(0, 2, 1), sizes, kernel, (sg, sw), g.dtype)
     weights = kernels.ragged_weight_gradient(dequantize(xq, sx, g.dtype), g, sizes, kernel)
@@ -150,8 +167,8 @@ def stored(x, name):
 
 
 def _stored_forward(x, name):
-    q, scale = quantize(x, E4M3)
-    return dequantize(names.tag(q, name), names.tag(scale, name), x.dtype), None
+    q, scale = quantize(x, E4M3)  # saved as its bytes (as_bytes: a saved float8_e4m3fn came back NaN)
+    return dequantize(from_bytes(names.tag(as_bytes(q), name)), names.tag(scale, name), x.dtype), None
 
 
 stored.defvjp(_stored_forward, lambda name, _, g: (g,))

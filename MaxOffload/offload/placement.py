@@ -15,8 +15,9 @@ _SEGMENT = re.compile(r"layers_(\d+)_(\d+)")
 _PLACEMENT = re.compile(r"annotate_device_placement\(%[^)]*\).*?_xla_buffer_placement = \"pinned_host\".*?:\s*"
                         r"\(tensor<([^>]*)>\)")
 _HLO_DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16", "f64": "float64", "i32": "int32",
-               "f8E4M3FN": "float8_e4m3fn"}
+               "f8E4M3FN": "float8_e4m3fn", "ui8": "uint8"}
 FP8_SCALE = ((), "float32")  # a tensor kept in FP8 (quant.fp8_storage) is offloaded with its per-tensor scale
+FP8_BYTES = "uint8"  # ... its float8_e4m3fn values as their bytes (models/fp8.as_bytes)
 
 
 def _is_host_put(eqn):
@@ -174,7 +175,7 @@ def activation_groups(cfg, setup):
             if kind.startswith("offload"):
                 entry["offload_bytes_per_device"] += per_device
                 expected_placements.append((tuple(aval.shape), str(aval.dtype)))
-                if str(aval.dtype) == "float8_e4m3fn":  # models/fp8.stored: the scale travels beside it
+                if str(aval.dtype) == FP8_BYTES:  # models/fp8.stored: the scale travels beside it
                     entry["offload_bytes_per_device"] += 4 * layers
                     expected_placements.append(FP8_SCALE)
             entry["offloaded" if kind.startswith("offload") else "saved" if kind == "device" else kind].append(name)
