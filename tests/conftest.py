@@ -35,11 +35,14 @@ def pytest_configure(config):
 # whole files to the two workers in collection order (pytest_configure turns off xdist's own reordering, by the
 # number of tests in a file), so the long files start first and the workers can finish together instead of one
 # running the last long file alone. Unlisted files come after, in name order.
-LONGEST_FIRST = ["test_deepseek.py", "test_pipeline.py", "test_planner.py", "test_fp8.py", "test_grad_accum.py", "test_checkpoint.py",
-                 "test_offload.py", "test_aot.py", "test_mtp.py", "test_parallel.py", "test_model.py",
-                 "test_slurm.py", "test_planner_hbm.py", "test_convert_hf.py", "test_moe_parts.py", "test_cli.py",
-                 "test_training.py", "test_timeline.py", "test_convert.py", "test_family.py", "test_profile.py",
-                 "test_data.py", "test_rundir.py"]
+LONGEST_FIRST = ["test_deepseek.py", "test_resilience.py", "test_pipeline.py", "test_planner.py", "test_fp8.py",
+                 "test_tpu.py", "test_grad_accum.py", "test_checkpoint.py", "test_offload.py", "test_aot.py",
+                 "test_pipeline_deepseek.py", "test_mtp.py", "test_parallel.py", "test_documents.py", "test_model.py",
+                 "test_pipeline_runs.py", "test_cross_entropy.py", "test_slurm.py", "test_planner_hbm.py",
+                 "test_convert_hf.py", "test_moe_parts.py", "test_cli.py", "test_training.py", "test_timeline.py",
+                 "test_convert.py", "test_family.py", "test_profile.py", "test_data.py", "test_rundir.py"]
+# (2026-12-07: test_resilience.py and test_tpu.py, ~4 and ~2.5 minutes, had run last, unlisted, in name order: one
+# worker ran them alone at the end)
 
 
 def pytest_collection_modifyitems(session, config, items):
