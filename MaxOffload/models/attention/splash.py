@@ -2,13 +2,12 @@
 splash_attention; it ships in jax, interpret=True runs the same kernel on a CPU for the tests): causal, GQA without
 repeating k/v, MLA's v head dim, blocks of models/kernels.SPLASH_BLOCKS and the fused backward (measured fastest
 on the v5e: REFERENCE 2h). Which kernel runs where: models/kernels.attention_for."""
-import math
-
 import jax
 import jax.numpy as jnp
 
 from MaxOffload.models.kernels import SPLASH, SPLASH_BLOCKS, SPLASH_LANES, splash_block
 from MaxOffload.offload import names
+from MaxOffload.parallel import logical
 
 KV_COMPUTE = 512  # the forward kernel's key compute block at most (splash's block_kv_compute)
 
@@ -53,7 +52,7 @@ def splash_attention(q, k, v, scale, q_sharding=None, interpret=False, kernel=SP
     spec = tuple(q_sharding.spec) + (None,) * (4 - len(q_sharding.spec))
 
     def ways(entry):
-        return math.prod(q_sharding.mesh.shape[a] for a in _axes(entry))
+        return logical.ways(q_sharding.mesh, entry)
 
     if ways(spec[1]) > 1:
         raise ValueError("splash attention runs whole sequences per shard: a split sequence takes the context path")
@@ -130,9 +129,10 @@ def context_splash_attention(q, source, scale, kernel, layout, interpret=False, 
     if block is None:
         raise ValueError(f"splash attention ({kernel}) over {ways} context shards: a shard's chunk of {chunk} "
                          f"tokens (of {length}) is no multiple of {kernel.partition(':')[2] or SPLASH_BLOCKS}")
-    q_spec = P(*tuple(layout.spec(Q_AXES)) + (None,) * (len(Q_AXES) - len(layout.spec(Q_AXES))))
+    spec = tuple(layout.spec(Q_AXES))
+    q_spec = P(*spec + (None,) * (len(Q_AXES) - len(spec)))
     mesh = layout.current_mesh
-    heads_ways = math.prod(mesh.shape[a] for a in _axes(q_spec[2]))
+    heads_ways = logical.ways(mesh, q_spec[2])
     causal = mask_lib.CausalMask((length, length))
     if order is not None:
         causal.q_sequence = order  # the rows' global positions (the mask's hash includes them)
@@ -157,6 +157,3 @@ def context_splash_attention(q, source, scale, kernel, layout, interpret=False, 
                                                      P(q_spec[0], q_spec[1])),
                          out_specs=q_spec, check_vma=False)(q, sources, weights, run, documents)
 
-
-def _axes(entry):
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
