@@ -1,6 +1,6 @@
 """Causal attention on this machine's TPU, kernel by kernel, side by side in one run (issue 47's kernel table):
 
-    python benchmarks/tpu/attention.py [--json PATH] [--repeats 10] [--sweep]
+    python benchmarks/tpu/attention.py [--json PATH] [--repeats 10] [--sweep [--only NAME,NAME]]
 
 One forward + backward (the value of sum(attention . w) and the gradients of q, k, v; bf16 inputs) at three shapes:
 
@@ -12,6 +12,8 @@ by each kernel:
 
     xla               models/attention/plain.causal_attention (model.attention=xla): query blocks of 512 against the keys
                       they can see
+    xla_whole         the same in one block: the whole causal square of scores, masked (the plain einsum issue 47's
+                      kernel table timed as "XLA")
     splash_512        jax's Pallas splash kernel (models/attention/splash.py), blocks of 512, splash's separate
                       dq and dkv backward kernels (MaxText's defaults)
     splash_512_fused  blocks of 512, the fused backward
@@ -38,8 +40,8 @@ from benchmarks.common import median_seconds  # noqa: E402
 SHAPES = {"llama8b_gqa": dict(batch=4, length=2048, heads=32, kv_heads=8, qk_dim=128, v_dim=128),
           "deepseek_small": dict(batch=4, length=2048, heads=16, kv_heads=16, qk_dim=96, v_dim=64),
           "deepseek_v3_tp4": dict(batch=1, length=4096, heads=32, kv_heads=32, qk_dim=192, v_dim=128)}
-KERNELS = {"xla": None, "splash_512": ("splash:512", False), "splash_512_fused": ("splash:512", True),
-           "splash": ("splash", True), "splash_padded": ("splash", True, True)}
+KERNELS = {"xla": None, "xla_whole": "whole", "splash_512": ("splash:512", False),
+           "splash_512_fused": ("splash:512", True), "splash": ("splash", True), "splash_padded": ("splash", True, True)}
 # --sweep: name -> (block_q, block_kv, block_kv_compute, block_q_dkv, block_kv_dkv, block_kv_dkv_compute), the fused
 # backward; "q1024" is what model.attention=auto runs at these lengths
 SWEEP = {"q1024": (1024, 1024, 1024, 1024, 1024, 1024), "q2048": (2048, 1024, 1024, 1024, 1024, 1024),
@@ -60,21 +62,27 @@ def attention_fn(name):
         return lambda q, k, v: splash_attention(q, k, v, None, block_sizes=sizes)
     if KERNELS[name] is None:
         return lambda q, k, v: causal_attention(q, k, v, None)
+    if KERNELS[name] == "whole":
+        return lambda q, k, v: causal_attention(q, k, v, None, block=q.shape[1])
     kernel, fused, *padded = KERNELS[name]
     return lambda q, k, v: splash_attention(q, k, v, None, kernel=kernel, fused_backward=fused,
                                             pad_heads=bool(padded))
 
 
 def step(name):
+    """((loss, out), (dq, dk, dv)): one forward and one backward. The output comes out of the differentiated function
+    (has_aux): computed beside it, splash's forward would run twice (its plain call and its VJP's call that saves
+    residuals are different kernels, which XLA cannot merge; until 2026-12-07 this benchmark timed that)."""
     import jax
     import jax.numpy as jnp
 
     attend = attention_fn(name)
 
     def loss(q, k, v, w):
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * w)
+        out = attend(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * w), out
 
-    return jax.jit(lambda q, k, v, w: (attend(q, k, v), jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, w)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
 def causal_flops(batch, length, heads, qk_dim, v_dim, **_):
@@ -86,7 +94,7 @@ def measure(name, arrays, repeats):
 
     compiled = step(name).lower(*arrays).compile()
     seconds = median_seconds(compiled, *arrays, repeats=repeats)
-    return jax.block_until_ready(compiled(*arrays))[0], seconds, compiled.memory_analysis().temp_size_in_bytes
+    return jax.block_until_ready(compiled(*arrays))[0][1], seconds, compiled.memory_analysis().temp_size_in_bytes
 
 
 @tool
@@ -95,7 +103,11 @@ def main(argv):
     parser.add_argument("--json", default="")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="XLA and splash under each block-size choice of SWEEP")
+    parser.add_argument("--only", default="", help="--sweep: these choices of SWEEP only (comma-separated)")
     args = parser.parse_args(argv)
+    unknown = [n for n in args.only.split(",") if n and n not in SWEEP]
+    if unknown:
+        parser.error(f"--only: {unknown[0]} is not a choice of SWEEP ({', '.join(SWEEP)})")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -109,8 +121,9 @@ def main(argv):
         arrays = [jnp.asarray(rng.standard_normal(d), jnp.bfloat16) for d in dims]
         arrays.append(jnp.asarray(rng.standard_normal(s["v_dim"]), jnp.float32))
         reference = None
-        names = ["xla", *(n for n, b in SWEEP.items() if all(s["length"] % x == 0 for x in b))] if args.sweep \
-            else list(KERNELS)
+        chosen = args.only.split(",") if args.only else list(SWEEP)
+        names = ["xla", "xla_whole", *(n for n in chosen if all(s["length"] % x == 0 for x in SWEEP[n]))] \
+            if args.sweep else list(KERNELS)
         for name in names:
             try:
                 out, seconds, temp = measure(name, arrays, args.repeats)
@@ -125,15 +138,16 @@ def main(argv):
             rows.append(row)
             print(f"{shape_name} {name}: {seconds * 1e3:.2f} ms, {temp / 2**20:.0f} MiB temporaries, "
                   f"{row['tflops']:.1f} TFLOP/s, |out - xla| {row['max_abs_diff_vs_xla']:.3g}", flush=True)
-    print("\n| shape | kernel | ms (fwd + bwd) | xla / this | temporaries MiB | TFLOP/s (causal half) | max abs diff vs xla |")
-    print("|---|---|---|---|---|---|---|")
-    base = {r["shape"]: r["seconds"] for r in rows if r["kernel"] == "xla" and "seconds" in r}
+    print("\n| shape | kernel | ms (fwd + bwd) | xla / this | xla_whole / this | temporaries MiB | TFLOP/s (causal half) "
+          "| max abs diff vs xla |")
+    print("|---|---|---|---|---|---|---|---|")
+    bases = [{r["shape"]: r["seconds"] for r in rows if r["kernel"] == b and "seconds" in r} for b in ("xla", "xla_whole")]
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['kernel']} | failed: {r['error'][:80]} | | | | |")
+            print(f"| {r['shape']} | {r['kernel']} | failed: {r['error'][:80]} | | | | | |")
             continue
-        ratio = base[r["shape"]] / r["seconds"] if r["shape"] in base else float("nan")
-        print(f"| {r['shape']} | {r['kernel']} | {r['seconds'] * 1e3:.2f} | {ratio:.2f}x | {r['temp_bytes'] / 2**20:.0f} "
+        ratios = " | ".join(f"{b[r['shape']] / r['seconds']:.2f}x" if r["shape"] in b else "-" for b in bases)
+        print(f"| {r['shape']} | {r['kernel']} | {r['seconds'] * 1e3:.2f} | {ratios} | {r['temp_bytes'] / 2**20:.0f} "
               f"| {r['tflops']:.1f} | {r['max_abs_diff_vs_xla']:.3g} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,9 @@
 #               xla.preset (benchmarks/tpu/run_variants.py: the TPU runtime starts once)
 #   profile     an xprof trace of variant $PROFILE_VARIANT (default l4b4_offload, the overlap report's TPU reading),
 #               profile.tar.gz; skipped once 420 s have passed
+# LIBTPU_SETS="NAME=FLAGS;NAME=FLAGS": the attention, attention_sweep and variants stages run again under each set of
+# libtpu flags (LIBTPU_INIT_ARGS: libtpu reads them once, when a process starts it), their outputs tagged NAME
+# (attention_NAME.json, variant@NAME); SWEEP_ONLY=CHOICE,CHOICE limits attention_sweep to those block choices.
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
 # logs.tar.gz, profile.tar.gz, attention.json. A train.py process takes ~80 s on the v5e (TPU start-up and shut-down,
 # init, two compiles, 8 steps); run_variants.py keeps one process for all the variants of a preset, which is meant to
@@ -54,15 +57,19 @@ quickstart() {
     echo "quickstart rc=$? at $(elapsed) s"; grep -E " on [0-9]+ x |^done" "$RUNS/quickstart.log"
 }
 
+TAG=""  # the LIBTPU_SETS entry a stage runs under ("" the default flags)
+
 attention() {
-    python3 benchmarks/tpu/attention.py --json "$OUT/attention.json" 2>&1 | tee "$RUNS/attention.log" | grep -v "^W0\|^I0"
-    echo "attention done at $(elapsed) s"
+    python3 benchmarks/tpu/attention.py --json "$OUT/attention${TAG:+_$TAG}.json" 2>&1 \
+        | tee "$RUNS/attention${TAG:+_$TAG}.log" | grep -v "^W0\|^I0"
+    echo "attention${TAG:+ @$TAG} done at $(elapsed) s"
 }
 
 attention_sweep() {
-    python3 benchmarks/tpu/attention.py --sweep --json "$OUT/attention_sweep.json" 2>&1 \
-        | tee "$RUNS/attention_sweep.log" | grep -v "^W0\|^I0"
-    echo "attention sweep done at $(elapsed) s"
+    python3 benchmarks/tpu/attention.py --sweep ${SWEEP_ONLY:+--only $SWEEP_ONLY} \
+        --json "$OUT/attention_sweep${TAG:+_$TAG}.json" 2>&1 | tee "$RUNS/attention_sweep${TAG:+_$TAG}.log" \
+        | grep -v "^W0\|^I0"
+    echo "attention sweep${TAG:+ @$TAG} done at $(elapsed) s"
 }
 
 hostlink() {
@@ -84,7 +91,7 @@ variants() {
         left=$(( 540 - $(elapsed) ))
         if [ $left -le 0 ]; then echo "${by_preset[$preset]}skipped: $(elapsed) s gone"; continue; fi
         timeout $(( left + 60 )) python3 benchmarks/tpu/run_variants.py "$RUNS" ${by_preset[$preset]} --budget_s "$left" \
-            2>&1 | grep -v "^W0\|^I0"
+            ${TAG:+--tag "@$TAG"} 2>&1 | grep -v "^W0\|^I0"
     done
 }
 
@@ -97,11 +104,20 @@ profile() {
     tar -czf "$OUT/profile.tar.gz" -C "$RUNS/profile" profile
 }
 
+IFS=';' read -r -a flag_sets <<< "${LIBTPU_SETS:-}"
 for stage in $STAGES; do
     case $stage in
         platform|quickstart|attention|attention_sweep|hostlink|variants|profile) $stage ;;
         *) echo "unknown stage $stage: platform quickstart attention attention_sweep hostlink variants profile"; exit 2 ;;
     esac
+    case $stage in attention|attention_sweep|variants) ;; *) continue ;; esac
+    for set in "${flag_sets[@]}"; do
+        [ -n "$set" ] || continue
+        TAG=${set%%=*}
+        echo "--- $stage under LIBTPU_INIT_ARGS=${set#*=}"
+        LIBTPU_INIT_ARGS="${set#*=}" $stage
+        TAG=""
+    done
 done
 python3 benchmarks/tpu/collect.py "$RUNS" "$OUT/device_check.json"
 tar -czf "$OUT/logs.tar.gz" -C "$RUNS" $(cd "$RUNS" && ls *.log)

@@ -1,10 +1,11 @@
 """Runs device-check variants (benchmarks/tpu/variants.py) one after another in this one process, so the TPU runtime
 starts once (a train.py process per variant spends ~60 s of its ~80 s on the v5e starting and stopping it):
 
-    python benchmarks/tpu/run_variants.py RUNS_DIR NAME [NAME ...] [--budget_s 540] [-- OVERRIDE ...]
+    python benchmarks/tpu/run_variants.py RUNS_DIR NAME [NAME ...] [--budget_s 540] [--tag @TAG] [-- OVERRIDE ...]
 
 Each variant is `python train.py <its arguments> run.output_dir=RUNS_DIR/NAME [OVERRIDE ...]` called in-process
-(train.main), its output in RUNS_DIR/NAME.log and one line here (its exit status and train.py's `done:` line).
+(train.main), its output in RUNS_DIR/NAME.log (NAME@TAG with --tag: the same variant under other libtpu flags,
+device_check.sh's LIBTPU_SETS) and one line here (its exit status and train.py's `done:` line).
 XLA flags are read once per process, when JAX's backend starts: variants must share their `xla.preset` (a variant
 whose preset differs from the first's is refused; device_check.sh runs such a one in a process of its own). A
 variant is skipped, not cut, once --budget_s seconds have passed since this process started. Exit status 0 when
@@ -55,6 +56,10 @@ def main(argv):
     if "--budget_s" in argv:
         at = argv.index("--budget_s")
         budget, argv = float(argv[at + 1]), argv[:at] + argv[at + 2:]
+    tag = ""
+    if "--tag" in argv:
+        at = argv.index("--tag")
+        tag, argv = argv[at + 1], argv[:at] + argv[at + 2:]
     runs, names = argv[0], argv[1:]
     unknown = [n for n in names if n not in variants.VARIANTS]
     if unknown or not names:
@@ -73,10 +78,10 @@ def main(argv):
         if elapsed > budget:
             print(f"{name} skipped: {elapsed:.0f} s gone", flush=True)
             continue
-        arguments = [*variants.arguments(name), f"run.output_dir={os.path.join(runs, name)}", *extra]
-        code, done = run_one(name, arguments, runs)
+        arguments = [*variants.arguments(name), f"run.output_dir={os.path.join(runs, name + tag)}", *extra]
+        code, done = run_one(name + tag, arguments, runs)
         failed += code != 0
-        print(f"{name} rc={code} at {time.perf_counter() - started:.0f} s: {done[:160]}", flush=True)
+        print(f"{name}{tag} rc={code} at {time.perf_counter() - started:.0f} s: {done[:160]}", flush=True)
         import jax
 
         jax.clear_caches()  # the last variant's executables and arrays go before the next one compiles
