@@ -216,15 +216,15 @@ def test_auto_dry_run_plans_for_the_aot_target(tmp_path, monkeypatch):
 
 
 @pytest.mark.stack("py311")
-def test_planner_cli_confirms_with_the_deviceless_compile(tmp_path):
-    """GB200 deviceless: the plan is compiled, and the HBM prediction is within 10% of XLA's figure."""
+def test_planner_cli_plans_for_its_target(tmp_path):
+    """The planner's CLI on a GB200 target prints the plan as override lines; --no_confirm plans without compiling
+    it (no compiled-HBM line). The confirming compile, the same `decide(confirm=True)`, and its HBM within 10% of
+    the prediction: test_auto_dry_run_plans_for_the_aot_target (train.py's dry run of the same tiny Llama)."""
     result = run_cli(["-m", "MaxOffload.offload.planner", *TINY, "remat.policy=auto", "--target", "gb200",
-                      "--topology", "1x1x4", f"run.output_dir={tmp_path}"])
+                      "--topology", "1x1x4", "--no_confirm", f"run.output_dir={tmp_path}"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "overrides: remat.policy=custom" in result.stdout
-    line = next(x for x in result.stdout.splitlines() if x.startswith("compiled HBM"))
-    error = float(line.split("prediction ")[1].split("%")[0])
-    assert abs(error) <= 10, line
+    assert not any(x.startswith("compiled HBM") for x in result.stdout.splitlines()), result.stdout
     bad = run_cli(["-m", "MaxOffload.offload.planner", *TINY, "remat.policy=autoo"])
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 

@@ -317,10 +317,11 @@ def predict(cfg, target=None, topology=None, offload_plan=None):
     return result
 
 
-def check_prediction(cfg, target, topology):
-    """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
-    (base and recompute working set from the full-remat and keep-everything compiles, + kept tensors)
-    against XLA's figure for the same config. Decisions are read from cfg's traced step, per segment."""
+def fitted_hbm(cfg, target, topology):
+    """The HBM model's anchors for cfg's model and shapes on compile-only devices, from its full-remat and
+    keep-everything compiles: (base bytes, {(model group, name): recompute bytes}, {(model group, name): kept
+    scale}). They do not depend on cfg's own policy: one fit serves every policy of the same model and shapes
+    (check_prediction's `fitted`)."""
     from MaxOffload import from_config
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import HOST
@@ -335,8 +336,20 @@ def check_prediction(cfg, target, topology):
     full_hbm, _ = compiled_bytes(full_compiled.memory_analysis())
     saved_hbm = saved_compiled_hbm(setup, model_candidates, full_compiled)
     model_candidates, base = with_recompute_hbm(model_candidates, full_hbm, saved_hbm)
-    share = {(c.group, c.name): c.remat_bytes for c in model_candidates}
-    scale = {(c.group, c.name): c.kept_scale for c in model_candidates}
+    return (base, {(c.group, c.name): c.remat_bytes for c in model_candidates},
+            {(c.group, c.name): c.kept_scale for c in model_candidates})
+
+
+def check_prediction(cfg, target, topology, fitted=None):
+    """(predicted, compiled) HBM bytes per device for cfg's own policy on compile-only GPUs: the HBM model
+    (base and recompute working set from the full-remat and keep-everything compiles, + kept tensors)
+    against XLA's figure for the same config. Decisions are read from cfg's traced step, per segment.
+    `fitted`: fitted_hbm's anchors of the same model and shapes, already compiled (else compiled here)."""
+    from MaxOffload import from_config
+    from MaxOffload.offload.placement import activation_groups
+
+    base, share, scale = fitted or fitted_hbm(cfg, target, topology)
+    own = from_config.train_setup(cfg, _target_devices(target, topology, cfg.aot.num_slices))
     candidates, decisions = [], {}
     for label, entry in activation_groups(cfg, own)[0].items():
         layers = entry["layers"][1] - entry["layers"][0] + 1
