@@ -748,16 +748,19 @@ def test_destination_rows_are_the_all_gathered_choices_in_expert_order():
         np.testing.assert_array_equal(got.reshape(-1)[in_order], np.arange(len(in_order)))
 
 
-# the exchange's arithmetic on CPUs: the padded transport is jax.lax.all_to_all, the ragged one's primitive an
-# emulation in jnp, the same on every jax; the GPU programs of both transports are test_aot.py's, on both stacks
-@pytest.mark.stack("py311")
 @pytest.mark.parametrize("name,reference", [("expert8_all_to_all", "single_mtp"),
                                             ("expert4_fsdp2_all_to_all", "single_mtp"),
                                             ("expert4_fsdp2_half_buffer_all_to_all",
                                              "expert4_fsdp2_half_buffer_all_gather"),
-                                            ("expert8_all_to_all_ragged", "single_mtp"),
-                                            ("expert4_fsdp2_half_buffer_all_to_all_ragged",
-                                             "expert4_fsdp2_half_buffer_all_gather")])
+                                            # the ragged transport's CPU emulation: its arithmetic in jnp, the
+                                            # same on every jax (py312 checks the padded all_to_all, as issue 42
+                                            # asks: its CPU equalities on both stacks; the ragged GPU program:
+                                            # test_aot.py)
+                                            pytest.param("expert8_all_to_all_ragged", "single_mtp",
+                                                         marks=pytest.mark.stack("py311")),
+                                            pytest.param("expert4_fsdp2_half_buffer_all_to_all_ragged",
+                                                         "expert4_fsdp2_half_buffer_all_gather",
+                                                         marks=pytest.mark.stack("py311"))])
 def test_token_all_to_all_equals_the_all_gather_exchange_and_one_device(background, name, reference):
     """mesh.exchange=all_to_all (each choice to its expert's owner and back, the padded all_to_all that XLA:CPU runs;
     _ragged: the ragged transport of GPUs and TPUs, its primitive emulated here) over 8 expert ranks and 4 x fsdp 2,
