@@ -317,19 +317,18 @@ def predict(cfg, target=None, topology=None, offload_plan=None):
     return result
 
 
-def fitted_hbm(cfg, target, topology):
+def fitted_hbm(cfg, target, topology, own=None):
     """The HBM model's anchors for cfg's model and shapes on compile-only devices, from its full-remat and
     keep-everything compiles: (base bytes, {(model group, name): recompute bytes}, {(model group, name): kept
     scale}). They do not depend on cfg's own policy: one fit serves every policy of the same model and shapes
-    (check_prediction's `fitted`)."""
+    (check_prediction's `fitted`). `own`: cfg's TrainSetup on those devices, where the caller has it."""
     from MaxOffload import from_config
     from MaxOffload.offload.placement import activation_groups
     from MaxOffload.train.step import HOST
 
-    devices = _target_devices(target, topology, cfg.aot.num_slices)
-    own = from_config.train_setup(cfg, devices)
+    own = own or from_config.train_setup(cfg, _target_devices(target, topology, cfg.aot.num_slices))
     setup = own.with_plan(own.plan.uniform("full"))
-    m = machine(_accelerator(target, devices), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
+    m = machine(_accelerator(target, None), cfg.launch.mem_fraction, setup.state_bytes_per_device(HOST))
     model_candidates, _ = cost_model(setup.model_config, activation_groups(cfg, setup)[0], m, cfg.train.seq_len,
                                      numerics=setup.numerics)
     full_compiled = setup.compile_train_step()
@@ -348,8 +347,8 @@ def check_prediction(cfg, target, topology, fitted=None):
     from MaxOffload import from_config
     from MaxOffload.offload.placement import activation_groups
 
-    base, share, scale = fitted or fitted_hbm(cfg, target, topology)
     own = from_config.train_setup(cfg, _target_devices(target, topology, cfg.aot.num_slices))
+    base, share, scale = fitted or fitted_hbm(cfg, target, topology, own)
     candidates, decisions = [], {}
     for label, entry in activation_groups(cfg, own)[0].items():
         layers = entry["layers"][1] - entry["layers"][0] + 1
