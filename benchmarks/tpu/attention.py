@@ -105,7 +105,8 @@ def main(argv):
     parser.add_argument("--sweep", action="store_true", help="XLA and splash under each block-size choice of SWEEP")
     parser.add_argument("--only", default="", help="--sweep: these choices of SWEEP only (comma-separated)")
     args = parser.parse_args(argv)
-    unknown = [n for n in args.only.split(",") if n and n not in SWEEP]
+    only = [n for n in args.only.split(",") if n]
+    unknown = [n for n in only if n not in SWEEP]
     if unknown:
         parser.error(f"--only: {unknown[0]} is not a choice of SWEEP ({', '.join(SWEEP)})")
     import jax
@@ -121,8 +122,7 @@ def main(argv):
         arrays = [jnp.asarray(rng.standard_normal(d), jnp.bfloat16) for d in dims]
         arrays.append(jnp.asarray(rng.standard_normal(s["v_dim"]), jnp.float32))
         reference = None
-        chosen = args.only.split(",") if args.only else list(SWEEP)
-        names = ["xla", "xla_whole", *(n for n in chosen if all(s["length"] % x == 0 for x in SWEEP[n]))] \
+        names = ["xla", "xla_whole", *(n for n in only or SWEEP if all(s["length"] % x == 0 for x in SWEEP[n]))] \
             if args.sweep else list(KERNELS)
         for name in names:
             try:

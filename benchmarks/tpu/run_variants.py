@@ -44,6 +44,14 @@ def run_one(name, arguments, runs):
     return code, done
 
 
+def _option(argv, flag, default):
+    """(the value after `flag` in argv, or `default`; argv without the two)."""
+    if flag not in argv:
+        return default, argv
+    at = argv.index(flag)
+    return argv[at + 1], argv[:at] + argv[at + 2:]
+
+
 def main(argv):
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
@@ -52,14 +60,9 @@ def main(argv):
 
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    budget = 540.0
-    if "--budget_s" in argv:
-        at = argv.index("--budget_s")
-        budget, argv = float(argv[at + 1]), argv[:at] + argv[at + 2:]
-    tag = ""
-    if "--tag" in argv:
-        at = argv.index("--tag")
-        tag, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    budget, argv = _option(argv, "--budget_s", "540")
+    budget = float(budget)
+    tag, argv = _option(argv, "--tag", "")
     runs, names = argv[0], argv[1:]
     unknown = [n for n in names if n not in variants.VARIANTS]
     if unknown or not names:
