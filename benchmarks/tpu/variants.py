@@ -6,6 +6,8 @@ at two sizes that fill a v5e's 15.75 GiB, 4 layers x 4 rows (l4b4) and 2 layers 
     keep         the five kept in HBM          auto      remat.policy=auto, the planner's choice
     splash       full remat, splash attention  keep_splash  the five kept, splash attention (MaxText's "minimal")
     splash_context, keep_splash_context   as splash / keep_splash, and splash's residuals kept (no second forward kernel)
+    minimal_splash_context  every projection kept (MaxText's "minimal": + out_proj, mlpwo) and splash's residuals
+    save_all_splash  every named activation kept, splash attention
     ..._b512     the same in splash blocks of 512 (MaxText's) instead of 1,024
     (all with the whole logits, model.vocab_tiles=1, as measured before tiles existed)
     ..._unrolled  the layers a Python loop (model.scan_layers=false), not a scan
@@ -46,6 +48,10 @@ POLICIES = {"remat": {"remat.policy": "full"},
                                          **{f"remat.tensors.{n}": "device" for n in FIVE}},
             "offload_tpu_overlap": {"remat.policy": "full", "xla.preset": "tpu_overlap_offload",
                                     **{f"remat.tensors.{n}": "offload" for n in FIVE}},
+            # MaxText's "minimal" (every projection kept: q/k/v, out_proj, mlpwi_0/1, mlpwo) + splash's residuals, and
+            # everything kept (remat.policy=save_all): what keeping more than the five buys on the chip
+            "minimal_splash_context": {"remat.policy": "minimal_with_context", "model.attention": "auto"},
+            "save_all_splash": {"remat.policy": "save_all", "model.attention": "auto"},
             "auto": {"remat.policy": "auto", "model.attention": "auto"}}
 # model.attention=xla: the runs of 2026-12-05 used XLA's attention (then `auto` on TPUs); splash is measured apart
 # model.vocab_tiles=1: the whole logits, as measured before the tiled cross-entropy (issue 44) existed
@@ -84,7 +90,7 @@ for within in (False, True):
 # their own, not written into the scan's stacked buffer by the GEMM's fusion (issue 47: 165 against 190 TFLOP/s)
 VARIANTS.update({f"l4b4_{policy}_unrolled": (LLAMA, {**COMMON, **SIZES["l4b4"], **POLICIES[policy],
                                                      "model.scan_layers": False})
-                 for policy in ("splash_context", "keep_splash_context", "auto")})
+                 for policy in ("splash_context", "keep_splash_context", "minimal_splash_context", "auto")})
 
 
 def arguments(name):
