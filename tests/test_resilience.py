@@ -303,6 +303,46 @@ def test_a_straggler_is_named_by_its_own_time_or_its_device_not_by_noise():
     assert stragglers.summarize([0.1] * 98 + [1.0, 2.0]) == (pytest.approx(0.1), pytest.approx(1.01, rel=0.01))
 
 
+def test_host_sync_agrees_through_the_coordinator_on_every_process():
+    """parallel/host_sync.py with jax.distributed's real coordinator, two processes: a flag one process raises in one
+    round (arriving last) is seen by both in that round and no other; process 0 gets every process's row in rank
+    order, round by round, and the others get None without waiting for it."""
+    port = free_port_pair()
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "helpers", "host_sync_check.py"), str(port),
+                               str(rank)], cwd=ROOT, env=cpu_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert got[0]["any"] == got[1]["any"] == [False, False, True, False], got
+    assert got[0]["to_lead"] == [[[0.0, 0.0], [1.0, 10.0]], [[0.0, 1.0], [1.0, 11.0]]], got
+    assert got[1]["to_lead"] == [None, None], got
+
+
+def test_the_first_steps_are_watched_before_any_is_measured():
+    """Before 3 steps are measured a step's watchdog timeout is FIRST_STEPS_TIMEOUT_S, or the compile's time if longer
+    (a collective that never completes in step 1 ends the job within it, not after gloo's 30 minutes); then 20 x the
+    median (at least 120 s); distributed.step_timeout_s overrides both."""
+    from types import SimpleNamespace
+
+    from MaxOffload.train.trainer import FIRST_STEPS_TIMEOUT_S, Hooks
+
+    def timeout(times, compile_s=10.0, configured=0):
+        hooks = SimpleNamespace(cfg=SimpleNamespace(distributed=SimpleNamespace(step_timeout_s=configured)),
+                                clock=SimpleNamespace(history=[{"step_time_s": t} for t in times]),
+                                training=SimpleNamespace(summary={"compile_time_s": compile_s}))
+        return Hooks.step_timeout(hooks)
+
+    assert timeout([]) == timeout([1.0, 1.0]) == FIRST_STEPS_TIMEOUT_S > 0
+    assert timeout([], compile_s=2 * FIRST_STEPS_TIMEOUT_S) == 2 * FIRST_STEPS_TIMEOUT_S
+    assert timeout([1.0, 2.0, 30.0]) == 120.0  # 20 x the median 2 s, at least 120
+    assert timeout([10.0, 20.0, 30.0]) == 400.0 and timeout([], configured=50) == timeout([9.0] * 5, configured=50) == 50
+
+
 def test_a_process_on_an_overloaded_core_is_named_a_straggler(tmp_path):
     """Two processes, each on its own CPU core; once training runs, a busy loop shares process 1's core at a higher
     priority (an oversubscribed host). Every window names process 1 by its device probe, never process 0; the

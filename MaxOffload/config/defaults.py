@@ -129,7 +129,7 @@ SCHEMA = {
         "compile_timeout_s": (3600, "the watchdog ends the job, naming the section, when compiling (or an "
                                     "evaluation) runs longer (0: no limit)"),
         "step_timeout_s": (0, "... when a training step runs longer; 0 = 20 x the median of the steps so far, at least "
-                              "120 s (no limit before 3 steps are measured)"),
+                              "120 s (before 3 steps are measured: 600 s, or the compile's time if longer)"),
         "checkpoint_timeout_s": (1800, "... when waiting for a checkpoint save runs longer (0: no limit)"),
         "straggler_window_steps": (100, "every this many steps the processes compare their own time per step (the "
                                         "host's: reading the batch, dispatching the step; median and p99) and a "

@@ -26,7 +26,7 @@ from MaxOffload.train.checkpoint import Checkpointer, load_params
 from MaxOffload.errors import NonFiniteError, ParityError
 from MaxOffload.offload import xla_bugs
 from MaxOffload.train.metrics import MetricsLogger
-from MaxOffload.parallel import distributed, stragglers, watchdog
+from MaxOffload.parallel import distributed, host_sync, stragglers, watchdog
 from MaxOffload.reports import write_json
 from MaxOffload.train import goodput, rundir
 from MaxOffload.parallel.mesh import describe as mesh_describe
@@ -237,6 +237,8 @@ class Training:
         self.cfg, self.setup, self.summary, self.say, self.dog = cfg, setup, summary, say, dog
         self.started, self.spent = started, collections.Counter()  # seconds per train/goodput.BUCKETS
         self.lead, self.process_count = process_index == 0, process_count
+        # between steps the processes agree through the coordinator, never a device program (parallel/host_sync.py)
+        self.sync = host_sync.HostSync(process_index, process_count) if process_count > 1 else None
         self.data = data_lib.build(cfg, process_index, process_count)
         say(f"data: {self.data.description}")
         self.signals = []
@@ -304,11 +306,7 @@ class Training:
     def stop_requested(self):
         """Whether any process got SIGTERM/SIGUSR1 (all processes must agree to save together)."""
         local = bool(self.signals)
-        if self.process_count == 1:
-            return local
-        from jax.experimental import multihost_utils
-
-        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+        return local if self.sync is None else self.sync.any(local)
 
     # -- the run -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -512,6 +510,11 @@ class Health:
         self.average = loss if self.average is None else 0.9 * self.average + 0.1 * loss
 
 
+# The watchdog's bound on each of the first steps, before 3 are measured (or the compile's time if longer): a
+# collective that never completes in step 1 ends the job with one line within it, not after gloo's 30 minutes.
+FIRST_STEPS_TIMEOUT_S = 600
+
+
 class Hooks:
     """The hooks a training run registers on its Loop, each with its period."""
 
@@ -535,21 +538,26 @@ class Hooks:
             loop.add_metrics_hook(lambda step, values: self.own_times.append((step, values["own_time_s"])))
             loop.add_hook(self.stragglers, every=cfg.distributed.straggler_window_steps)
         loop.add_hook(self.start_profile)
+        training.dog.enter(f"step {training.start + 1}", self.step_timeout())  # a hang in the first steps ends too
+
+    def step_timeout(self):
+        """distributed.step_timeout_s, or 20 x the median step so far (at least 120 s) once 3 are measured; before
+        that FIRST_STEPS_TIMEOUT_S, or the compile's time if longer (a step runs what was compiled)."""
+        times = [h["step_time_s"] for h in self.clock.history]
+        if self.cfg.distributed.step_timeout_s:
+            return self.cfg.distributed.step_timeout_s
+        if len(times) >= 3:
+            return max(120.0, 20 * sorted(times)[len(times) // 2])
+        return max(FIRST_STEPS_TIMEOUT_S, self.training.summary["compile_time_s"])
 
     def progress(self, step, values):
-        """Tells the watchdog a step is done and the next one's timeout: distributed.step_timeout_s, or 20 x the
-        median step so far (at least 120 s) once 3 are measured."""
-        dog, times = self.training.dog, [h["step_time_s"] for h in self.clock.history]
-        timeout = self.cfg.distributed.step_timeout_s or (max(120.0, 20 * sorted(times)[len(times) // 2])
-                                                          if len(times) >= 3 else 0)
-        dog.completed(step)
-        dog.enter(f"step {step + 1}", timeout)
+        """Tells the watchdog a step is done and the next one's timeout."""
+        self.training.dog.completed(step)
+        self.training.dog.enter(f"step {step + 1}", self.step_timeout())
 
     def stragglers(self, info):
         """Every straggler window: the processes' own step times and device probes compared (parallel/stragglers.py);
         process 0 logs them and names a slow process."""
-        from jax.experimental import multihost_utils
-
         self.loop.flush()  # the devices idle for the probe (its own step time is in the window)
         window, self.own_times = self.own_times, []
         if not window:
@@ -557,10 +565,11 @@ class Hooks:
         if self.probe is None:
             self.probe = stragglers.Probe(self.training.setup.mesh.local_devices)
         mine = np.array([*stragglers.summarize([t for _, t in window]), self.probe.time()], np.float32)
-        table = np.asarray(multihost_utils.process_allgather(mine))  # [processes, (own p50, own p99, probe)]
+        rows = self.training.sync.to_lead(mine)  # process 0: [processes, (own p50, own p99, probe)]; others None
         self.clock.restart()  # the probe is not step time
-        if not self.training.lead:
+        if rows is None:
             return
+        table = np.asarray(rows)
         steps = [h["step_time_s"] for h in self.clock.history[-len(window):]]
         found, scalars = stragglers.row(table[:, 0], table[:, 1], table[:, 2], window[0][0], window[-1][0],
                                         self.cfg.distributed.straggler_factor, float(np.median(steps)))
