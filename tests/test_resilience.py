@@ -218,16 +218,16 @@ def test_slurm_restarts_a_killed_and_a_hung_task_in_place(slurm, tmp_path, compi
                         f"run.output_dir={out}"], env)
     log_path = tmp_path / f"job-{job_id}.out"
     try:
-        wait_for(lambda: max(logged_steps(read(log_path), "train.py"), default=0) >= 8, 120, "step 8")
+        wait_for(lambda: max(logged_steps(read(log_path), "train.py"), default=0) >= 8, 240, "step 8", log_path)
         os.kill(trainers(out)[1], signal.SIGKILL)
         marker = "restart 1 of this job (launch.restarts)"
-        wait_for(lambda: len(logged_steps(read(log_path), marker)) >= 3, 120, "3 steps after the restart")
+        wait_for(lambda: len(logged_steps(read(log_path), marker)) >= 3, 240, "3 steps after the restart", log_path)
         frozen = trainers(out)[1]
         os.kill(frozen, signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: "== restart 2 of 2" in read(log_path), 60, "the second restart")
+        wait_for(lambda: "== restart 2 of 2" in read(log_path), 60, "the second restart", log_path)
         assert time.monotonic() - stopped < 30  # silent for 8 s, checked every 2 s, the task's 2 s, the step's end
-        state = wait_for(lambda: ended(job_id), 180, "the job to end")
+        state = wait_for(lambda: ended(job_id), 180, "the job to end", log_path)
     finally:
         if scontrol_job(job_id).get("JobState") in ("PENDING", "RUNNING"):
             subprocess.run(["scancel", str(job_id)])

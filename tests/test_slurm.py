@@ -102,14 +102,17 @@ def run_job(args, env, timeout=120):
     return job_id, int(state["ExitCode"].split(":")[0])
 
 
-def wait_for(predicate, timeout, what):
+def wait_for(predicate, timeout, what, log_path=None):
+    """predicate()'s first true value within `timeout` s; else the test fails, with the end of the job's log if
+    `log_path` is given (what the job was doing)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+    shown = f"; the job's log ends:\n{read(log_path)[-4000:]}" if log_path else ""
+    pytest.fail(f"timed out after {timeout} s waiting for {what}{shown}")
 
 
 # -- the sbatch script, CPU mode: 2 tasks x 2 devices = the 4-device mesh of one process ------------------------
