@@ -350,7 +350,8 @@ def test_a_process_on_an_overloaded_core_is_named_a_straggler(tmp_path):
     port = free_port_pair()
     args = [*TINY, "train.steps=15", "checkpoint.enabled=false", "train.eval_every=0", "run.log_every=1",
             "distributed.straggler_window_steps=5", f"run.output_dir={tmp_path}/out", "distributed.num_processes=2",
-            f"distributed.coordinator_address=localhost:{port}"]
+            f"distributed.coordinator_address=localhost:{port}",
+            "distributed.step_timeout_s=60"]  # a hung step ends the run (and this test) in a minute, not gloo's 30
     procs = [subprocess.Popen(["taskset", "-c", str(rank), *(["nice", "-n", "10"] if rank else []), sys.executable,
                                "train.py", *args, f"distributed.process_id={rank}"], cwd=ROOT, env=cpu_env(2),
                               stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
