@@ -14,14 +14,24 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-# The stacks CI tests on, in .ci/run's order (docs/testing.md). The last one runs the README's test command: every
-# test. `--stack NAME` runs what CI runs on NAME: the tests without a `stack` marker and those whose marker names it.
+# The stacks CI tests on, in .ci/run's order (docs/testing.md). A run tests the stack of its interpreter (Python 3.12+:
+# py312, else py311): the tests without a `stack` marker and those whose marker names it, as CI does there with the
+# README's command; `--stack NAME` picks another, `--stack all` runs every test.
 STACKS = ("py312", "py311")
 
 
+def this_stack():
+    return "py312" if sys.version_info >= (3, 12) else "py311"
+
+
 def pytest_addoption(parser):
-    parser.addoption("--stack", choices=STACKS, default=None,
-                     help="run the tests CI runs on this stack: unmarked ones and those marked stack(NAME)")
+    parser.addoption("--stack", choices=STACKS + ("all",), default=None,
+                     help="run the tests CI runs on this stack: unmarked ones and those marked stack(NAME) (default: "
+                          "this interpreter's, py312 on Python 3.12+, else py311; all: every test)")
+
+
+def selected_stack(config):
+    return config.getoption("stack") or this_stack()
 
 
 def pytest_configure(config):
@@ -45,23 +55,23 @@ LONGEST_FIRST = ["test_deepseek.py", "test_resilience.py", "test_pipeline.py", "
 # worker ran them alone at the end)
 # The py312 stack runs fewer tests, and its longest files are others (jax 0.12's GPU compiles take two to three times
 # as long; results/ci_2026-12-07/run8_py312_slowest.txt): its own order first, then LONGEST_FIRST's
-LONGEST_FIRST_PY312 = ["test_fp8.py", "test_aot.py", "test_tpu.py", "test_checkpoint.py", "test_training.py",
+LONGEST_FIRST_PY312 = ["test_fp8.py", "test_aot.py", "test_checkpoint.py", "test_training.py",
                        "test_convert.py", "test_documents.py", "test_profile.py", "test_offload.py", "test_timeline.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
-    order = LONGEST_FIRST if config.getoption("stack") != "py312" else \
+    stack, keep, drop = selected_stack(config), [], []
+    order = LONGEST_FIRST if stack != "py312" else \
         LONGEST_FIRST_PY312 + [name for name in LONGEST_FIRST if name not in LONGEST_FIRST_PY312]
     rank = {name: i for i, name in enumerate(order)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.path.name))  # stable within a file
-    stack, keep, drop = config.getoption("stack"), [], []
     for item in items:
         marker = item.get_closest_marker("stack")
         named = marker.args if marker else STACKS
         if not named or set(named) - set(STACKS):
             raise pytest.UsageError(f"{item.nodeid}: stack{named} names no stack or an unknown one; "
                                     f"name some of {', '.join(STACKS)}")
-        (keep if stack is None or stack in named else drop).append(item)
+        (keep if stack == "all" or stack in named else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -28,6 +28,7 @@ def reports(tmp_path_factory):
     return out
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_report_has_the_promised_fields(reports):
     r = reports["full"]
     for key in ("hbm_bytes_per_device", "host_bytes_per_device", "hbm_capacity_bytes", "fits", "temp_bytes_per_device",
@@ -39,6 +40,7 @@ def test_report_has_the_promised_fields(reports):
     assert r["argument_bytes_per_device"] >= r["state_bytes_per_device"] > 0
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_the_compiled_work_audit_reads_the_step(reports):
     """The optimized GB200 step's matmul FLOPs against the model FLOPs, per part: save_all does the model's
     work (attention: tokamax's flash kernels, model.attention=auto on GPUs, counted from their shapes: the
@@ -60,6 +62,7 @@ def test_the_compiled_work_audit_reads_the_step(reports):
     assert save_all["warnings"] == [] and save_all["dense_ragged_dots"] == 0 and save_all["unknown_trip_counts"] == []
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_the_report_predicts_the_step_from_its_timeline(reports):
     """aot_report.json's `timeline` (these keys are promised to scripts) and the trace beside it: offloading
     moves bytes over the host link, collectives run over the 4 GPUs (FSDP), and the trace has them all."""
@@ -79,6 +82,7 @@ def test_the_report_predicts_the_step_from_its_timeline(reports):
     assert custom["h2d_bytes"] == custom["d2h_bytes"] and 0 <= custom["copy_hidden_fraction"] <= 1
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_host_bytes_only_when_offloading(reports):
     assert reports["full"]["host_bytes_per_device"] == 0
     assert reports["save_all"]["host_bytes_per_device"] == 0
@@ -90,6 +94,7 @@ def test_host_bytes_only_when_offloading(reports):
         assert r["host_temp_bytes_per_device"] == pytest.approx(r["offload_bytes_per_device_rules"], rel=0.05)
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_host_resident_state_is_counted_on_the_host(reports):
     """offload.optimizer_state: XLA's compile-only GPU devices have no pinned_host memory kind, so the compile holds
     the Adam moments in HBM; the report counts them in host memory, where the run puts them, and says so."""
@@ -108,6 +113,7 @@ def test_host_resident_state_is_counted_on_the_host(reports):
     assert reports["full"]["host_state_traffic"] is None
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_offloading_and_remat_lower_hbm_temporaries_vs_save_all(reports):
     save_all = reports["save_all"]["temp_bytes_per_device"]
     assert reports["minimal_offloaded"]["temp_bytes_per_device"] < save_all
@@ -115,6 +121,7 @@ def test_offloading_and_remat_lower_hbm_temporaries_vs_save_all(reports):
     assert reports["custom"]["temp_bytes_per_device"] < save_all
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_offloaded_list_matches_the_request(reports):
     assert reports["custom"]["offloaded"] == {"layers_0_3": ["query_proj", "mlpwi_0"]}
     assert reports["full"]["offloaded"] == {"layers_0_3": []}
@@ -190,6 +197,7 @@ def test_unknown_flag_is_rejected_with_one_line(tmp_path):
     assert result.returncode == 2 and "did you mean lhs_pipelined" in result.stderr
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_a_preset_reaches_the_compiled_step(tmp_path):
     """xla.preset is applied to each compile (compile options): in one process the same offloading step compiles
     differently under baseline and lhs_pipelined_offload (double buffering rewrites the layer loops). XLA_FLAGS
@@ -251,6 +259,7 @@ def test_host_memory_limit_follows_the_plan(tmp_path):
     assert host_memory_limit_gb(fixed) == 99
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_dropless_experts_compile_to_the_grouped_gemm_kernel_on_gpus(tmp_path):
     """Tiny DeepSeek-V3, dropless, EP8 on 8 GB200s (deviceless): model.moe_kernel=auto puts tokamax's Triton
     ragged_dot in the compiled step: no dense ragged_dot, expert FLOPs (counted from the kernels' shapes) the
@@ -348,7 +357,7 @@ def test_attention_kernels_compile_for_gpus_without_the_score_square():
             assert work["counted_kernels"] == {} and xla_work_multiple(length) / 2 == pytest.approx(0.72, abs=0.01)
 
 
-@pytest.mark.stack("py311")
+@pytest.mark.stack("py312")  # shares the py312 tests' reports
 def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_batch_memory(reports, tmp_path):
     """train.grad_accum_steps=2 of 2 sequences against the fixture's one batch of 4: the same matmul work and
     no recompute (the accumulation loop adds none), offloaded bytes per micro-batch. Under
@@ -375,6 +384,7 @@ def test_accumulated_micro_batches_compile_to_the_whole_batch_work_with_micro_ba
     assert whole["weight_gathers"]["where"] == "per step" and "gathered per micro-batch (train.gather_weights=per_micro_batch, 2 micro-batches" in result.stdout
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_the_token_all_to_all_on_gpus_gathers_no_expert_weight_and_the_decomposer_turns_it_dense():
     """mesh.exchange=all_to_all with the experts at home (mesh.rules.exp_embed=[]) on a deviceless GB200 compile: the
     program all-gathers no routed-expert weight (the FSDP layout of the same experts does: the check can tell), and

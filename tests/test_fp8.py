@@ -96,6 +96,7 @@ def test_fp8_storage_offloads_half_the_bytes(tmp_path):
     assert found["fp8"]["cuda_pinned_host_placements"] == 2 * found["bf16"]["cuda_pinned_host_placements"]
 
 
+@pytest.mark.stack("py311")  # CPU numerics, not the JAX version's
 @pytest.mark.parametrize("policy", [["remat.policy=save_all"], ["quant.fp8_storage=[mlpwi_0]", "remat.tensors.mlpwi_0=device"]],
                          ids=["save_all", "fp8_storage_saved"])
 def test_fp8_values_a_policy_saves_come_back_whole(policy):
@@ -130,6 +131,7 @@ def fp8_audit(target, overrides, topology="1x1x1"):
     return audit.of_compiled(compiled, setup), compiled.as_text()
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax (mxfp8 there)
 @pytest.mark.parametrize("target, mode, overrides, kernel, topology", [
     ("h200", "fp8", LLAMA, "__cublas$lt$matmul$f8", "1x1x1"),
     ("gb200", "fp8", [*DEEPSEEK, "model.capacity_factor=2.0"], "__cublas$lt$matmul$f8", "1x1x1"),

@@ -226,6 +226,7 @@ def test_fused_slices_and_in_place_updates_count_the_slice_not_the_buffer():
     assert hlo.nbytes("(f32[2]{0:S(5)}, bf16[4]{0})", host=False) == 8
 
 
+@pytest.mark.stack("py312")  # a deviceless GPU compile: the GPU stack's jax
 def test_the_quickstart_on_gb200_exposes_its_copies_under_baseline_and_the_trace_has_every_kernel(tmp_path):
     """A deviceless GB200 compile of the quickstart with two offloaded tensors, xla.preset=baseline: the copies cost
     exposed time (more than if every copy were free), and the trace holds one event per kernel the entry and the

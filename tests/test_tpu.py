@@ -11,6 +11,8 @@ from MaxOffload.timeline import engines
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=256", "train.per_device_batch_size=8"]
 
+pytestmark = pytest.mark.stack("py311")  # the TPU v5e's stack: the lent chip runs jax 0.10.2 (docs/testing.md)
+
 
 def test_the_platform_is_the_chip_the_machine_has(monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
