@@ -9,6 +9,7 @@ agreements are the coordinator's: a barrier and a few keys, which order nothing 
 millisecond a call on one host.
 
     sync = HostSync(rank, count)   # every process, in the same order of calls
+    sync.wait("compiled")          # every process here before any goes on
     sync.any(local_flag)           # True on every process when any process passed True
     sync.to_lead(row)              # process 0 gets every process's row (a list of floats); the others None at once
 """
@@ -32,6 +33,13 @@ class HostSync:
     def _round(self, kind):
         self.rounds[kind] += 1
         return self.rounds[kind]
+
+    def wait(self, name):
+        """Returns once every process has called wait(name): e.g. after compiling, so that the first step's
+        collectives start together. Gloo's CPU collectives fail or stall when peers arrive far apart (jax#40831: its
+        reduce-scatter gives up after 30 s), which a process compiling a minute longer than another made happen in
+        the first step; NCCL would wait, but nothing is gained by the devices waiting instead of the hosts."""
+        self.client.wait_at_barrier(f"{ROOT}wait/{name}", WAIT_MS)
 
     def any(self, local):
         """Whether any process passed True. A flag is set under this call's round before the barrier and read after

@@ -410,6 +410,9 @@ class Training:
             train_step = memory.compile_or_config_error(setup.compile_train_step)
             eval_step = memory.compile_or_config_error(setup.compile_eval_step, "the evaluation step")
         self.summary["compile_time_s"] = time.perf_counter() - started
+        if self.sync is not None:  # the first step's collectives start together (parallel/host_sync.py: wait)
+            with self.dog.during("waiting for the other processes to compile", cfg.distributed.compile_timeout_s):
+                self.sync.wait("compiled")
         self.summary["compiled_memory"] = compiled_memory(train_step)
         self.say(describe_compiled_memory(self.summary["compiled_memory"]))
         self.say(f"compiled in {self.summary['compile_time_s']:.1f} s; training steps {start + 1}-{cfg.train.steps} "
