@@ -80,9 +80,9 @@ def agree(mine, rank, count, timeout_s, client=None):
     """Exchanges fingerprints through jax.distributed's key-value store; ConfigError (one line) where they differ.
     `client`: the distributed runtime's (default: the one jax.distributed.initialize made)."""
     if client is None:
-        from jax._src import distributed  # jax keeps its coordination client private
+        from MaxOffload.parallel.host_sync import coordination_client
 
-        client = distributed.global_state.client
+        client = coordination_client()
     client.key_value_set(f"maxoffload/fingerprint/{rank}", json.dumps(mine, sort_keys=True))
     timeout_ms = int(timeout_s * 1000)
     prints = {r: json.loads(client.blocking_key_value_get(f"maxoffload/fingerprint/{r}", timeout_ms))

@@ -20,6 +20,7 @@ WAIT_MS = 24 * 3600 * 1000  # the watchdog (parallel/watchdog.py) ends a process
 
 
 def coordination_client():
+    """jax.distributed's key-value client (parallel/consensus.py and watchdog.py use it too)."""
     from jax._src import distributed  # jax keeps its coordination client private
 
     return distributed.global_state.client
@@ -44,17 +45,11 @@ class HostSync:
     def any(self, local):
         """Whether any process passed True. A flag is set under this call's round before the barrier and read after
         it, so every process reads the same keys: all agree, on the same call."""
-        key = f"{ROOT}any/{self._round('any')}"
+        prefix = f"{ROOT}any/{self._round('any')}/"
         if local:
-            self.client.key_value_set(key, str(self.rank), allow_overwrite=True)
+            self.client.key_value_set(f"{prefix}{self.rank}", "1")
         self.client.wait_at_barrier(f"{ROOT}any", WAIT_MS)  # one barrier, reused: the coordinator counts its rounds
-        try:
-            self.client.key_value_try_get(key)
-        except Exception as error:  # NOT_FOUND: nobody set it
-            if "NOT_FOUND" not in str(error):
-                raise
-            return False
-        return True
+        return bool(self.client.key_value_dir_get(prefix))
 
     def to_lead(self, row):
         """Process 0: [every process's row] in rank order (it waits for them); the others: None, without waiting."""

@@ -138,9 +138,6 @@ def _processes(ranks):
 
 def start(rank, count, heartbeat_timeout_s):
     """The watchdog of this process: its peers watched through jax.distributed's client where there is one."""
-    client = None
-    if count > 1:
-        from jax._src import distributed  # jax keeps its coordination client private
+    from MaxOffload.parallel.host_sync import coordination_client
 
-        client = distributed.global_state.client
-    return Watchdog(rank, count, heartbeat_timeout_s / 2, client)
+    return Watchdog(rank, count, heartbeat_timeout_s / 2, coordination_client() if count > 1 else None)

@@ -546,9 +546,9 @@ class Hooks:
     def step_timeout(self):
         """distributed.step_timeout_s, or 20 x the median step so far (at least 120 s) once 3 are measured; before
         that FIRST_STEPS_TIMEOUT_S, or the compile's time if longer (a step runs what was compiled)."""
-        times = [h["step_time_s"] for h in self.clock.history]
         if self.cfg.distributed.step_timeout_s:
             return self.cfg.distributed.step_timeout_s
+        times = [h["step_time_s"] for h in self.clock.history]
         if len(times) >= 3:
             return max(120.0, 20 * sorted(times)[len(times) // 2])
         return max(FIRST_STEPS_TIMEOUT_S, self.training.summary["compile_time_s"])
