@@ -351,8 +351,8 @@ def test_a_process_on_an_overloaded_core_is_named_a_straggler(tmp_path):
     args = [*TINY, "train.steps=15", "checkpoint.enabled=false", "train.eval_every=0", "run.log_every=1",
             "distributed.straggler_window_steps=5", f"run.output_dir={tmp_path}/out", "distributed.num_processes=2",
             f"distributed.coordinator_address=localhost:{port}",
-            # a hung step ends the run (and this test) in 5 minutes, not gloo's 30; not less: step 1 waits for the
-            # other process's compile (at nice 10, beside the other CI worker: 60 s was too short, 2026-12-07)
+            # a hung step ends the run (and this test) in 5 minutes, not gloo's 30 (60 s was once too short for
+            # step 1 beside the other CI worker, 2026-12-07, before the processes waited for each other's compile)
             "distributed.step_timeout_s=300"]
     procs = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable,
                                "train.py", *args, f"distributed.process_id={rank}"], cwd=ROOT, env=cpu_env(2),
