@@ -13,11 +13,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# LLVM's optimizations off in the programs the tests compile: here, and in the processes they start with
+# process_env or this environment (a process whose XLA_FLAGS a test writes itself keeps exactly those). XLA's HLO
+# passes, whose optimized program the tests read, are unchanged (the same optimized HLO text); only the machine code
+# is less tuned. The tests' programs are tiny, so their compiles, not their steps, take the time: tests/test_mtp.py
+# 138 -> 88 s, tests/test_training.py 48 -> 33 s, one deviceless GB200 compile 28 -> 26 s (2026-12-07). Every
+# equality a test checks is between programs compiled alike.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def with_fast_compile(flags):
+    """XLA_FLAGS `flags` with FAST_COMPILE, unless they set the optimization level themselves."""
+    return flags if "--xla_backend_optimization_level" in flags else f"{flags} {FAST_COMPILE}".strip()
+
+
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
+
 
 # The stacks CI tests on, in .ci/run's order (docs/testing.md). A run tests the stack of its interpreter (Python 3.12+:
-# py312, else py311): the tests without a `stack` marker and those whose marker names it, as CI does there with the
-# README's command; `--stack NAME` picks another, `--stack all` runs every test.
+# py312, else py311): the tests whose `stack` marker names it, as CI does there with the README's command; a test
+# without the marker is py311's, the CPU development stack's. `--stack NAME` picks another, `--stack all` runs every
+# test.
 STACKS = ("py312", "py311")
+UNMARKED = ("py311",)
 
 
 def this_stack():
@@ -37,8 +55,8 @@ def selected_stack(config):
 def pytest_configure(config):
     if getattr(config.option, "loadscopereorder", None):  # xdist would order the files by their number of tests
         config.option.loadscopereorder = False  # LONGEST_FIRST's order instead
-    config.addinivalue_line("markers", "stack(*names): CI runs the test on these stacks only (py311: Python 3.11, "
-                                       "jax 0.10.2; py312: Python 3.12, the newest jax); unmarked: on every stack")
+    config.addinivalue_line("markers", "stack(*names): CI runs the test on these stacks (py311: Python 3.11, jax "
+                                       "0.10.2; py312: Python 3.12, the newest jax); unmarked: on py311 only")
 
 
 # The test files, longest first (their summed test times on the py311 stack): `pytest -n 2 --dist loadfile` hands
@@ -67,7 +85,7 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.path.name))  # stable within a file
     for item in items:
         marker = item.get_closest_marker("stack")
-        named = marker.args if marker else STACKS
+        named = marker.args if marker else UNMARKED
         if not named or set(named) - set(STACKS):
             raise pytest.UsageError(f"{item.nodeid}: stack{named} names no stack or an unknown one; "
                                     f"name some of {', '.join(STACKS)}")
@@ -94,9 +112,10 @@ CACHED = {"train.py", "tests/helpers/deepseek_mesh_losses.py", "tests/helpers/me
 
 def process_env(args, env=None):
     """The environment of a `python ARGS...` process a test starts: this one's, `env`, the compilation cache for
-    train.py and the CACHED helpers (a path relative to the repository root or absolute)."""
+    train.py and the CACHED helpers (a path relative to the repository root or absolute), FAST_COMPILE."""
     script = os.path.relpath(os.path.join(ROOT, args[0]), ROOT) if args else ""
-    return dict(os.environ, **(TRAIN_CACHE if script in CACHED else {}), **(env or {}))
+    full = dict(os.environ, **(TRAIN_CACHE if script in CACHED else {}), **(env or {}))
+    return dict(full, XLA_FLAGS=with_fast_compile(full.get("XLA_FLAGS", "")))
 
 
 def predicted_steps(programs, names, rates):

@@ -52,6 +52,7 @@ ENTRY %main (x: f32[4,8], w: f32[8,2]) -> f32[4,2] {
 """
 
 
+@pytest.mark.stack("py311", "py312")
 def test_a_written_module_is_counted_by_hand():
     c = audit.count(MODULE)
     by_part = {}
@@ -114,6 +115,7 @@ ENTRY %main (x: bf16[64,32], w: bf16[4,32,16], s: s32[4]) -> bf16[64,16] {{
 """
 
 
+@pytest.mark.stack("py311", "py312")
 def test_tokamax_kernels_are_counted_from_their_shapes_and_xla_remat_clones_are_recompute():
     c = audit.count(KERNEL_MODULE)
     got = sorted((m.kind, m.component, m.phase, m.flops) for m in c.matmuls)
@@ -148,6 +150,7 @@ ENTRY %main (q: bf16[2,128,4,16], k: bf16[2,128,2,16], v: bf16[2,128,2,16]) -> b
 """
 
 
+@pytest.mark.stack("py311", "py312")
 def test_flash_attention_kernels_are_counted_from_their_shapes():
     """The forward by its op JSON (jax 0.10), the VJP by its Triton kernel's name and operands (where the JSON is
     dropped): the causal pairs T (T + 1) / 2, GQA's query heads."""
@@ -159,6 +162,7 @@ def test_flash_attention_kernels_are_counted_from_their_shapes():
     assert any(line.startswith("  kernels counted from their shapes: PallasTritonFlashAttention x1") for line in lines)
 
 
+@pytest.mark.stack("py311", "py312")
 def test_a_compiled_scan_with_remat_is_counted_exactly():
     """XLA:CPU's optimized module (operands printed without shapes: read from the defining instructions)."""
     def layer(x, w):
@@ -182,6 +186,7 @@ def test_a_compiled_scan_with_remat_is_counted_exactly():
                         (components.MLP, "backward"): 8 * one, (components.UNEMBED, "backward"): 2 * one}
 
 
+@pytest.mark.stack("py311", "py312")
 def test_the_gpu_lowering_of_ragged_dot_is_a_dense_dot_and_the_audit_says_so():
     """jax.lax.ragged_dot compiled deviceless for one H200: XLA multiplies every row by every expert (E x
     the grouped-GEMM FLOPs). This is what the MoE layers must not compile to."""
@@ -205,6 +210,7 @@ def test_the_gpu_lowering_of_ragged_dot_is_a_dense_dot_and_the_audit_says_so():
     assert {m.component for m in c.matmuls} == {components.EXPERTS}
 
 
+@pytest.mark.stack("py311", "py312")
 def test_text_that_is_not_hlo_is_refused():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         audit.count("not hlo")

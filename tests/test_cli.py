@@ -11,7 +11,6 @@ from conftest import ROOT, run_cli
 from MaxOffload import cli
 from MaxOffload.errors import ConfigError
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=32", "train.per_device_batch_size=2", "data.source=synthetic",
         "model.compute_dtype=float32"]

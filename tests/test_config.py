@@ -15,7 +15,6 @@ from MaxOffload.config import ConfigError, defaults, load
 from MaxOffload.config.validate import validate
 from MaxOffload.parallel.consensus import flat_items
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")

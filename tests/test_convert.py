@@ -184,7 +184,6 @@ def one_line_error(argv, capsys):
     return err
 
 
-@pytest.mark.stack("py311")
 def test_bad_checkpoints_are_one_line_and_change_nothing(exported, tmp_path, capsys):
     spec, overrides, run_dir, _, _, hf_dir = exported
     out = str(tmp_path / "out")
@@ -255,7 +254,6 @@ def edit_json(src, dst, name, edit):
     return dst
 
 
-@pytest.mark.stack("py311")
 def test_hostile_checkpoints_are_one_line_and_never_converted(tmp_path_factory, tmp_path, capsys):
     """What a format reader must refuse: a tensor whose offsets point at another's bytes (it would silently get
     those weights), an integer tensor relabelled as weights, malformed headers, index files and config.json
@@ -301,7 +299,6 @@ def test_hostile_checkpoints_are_one_line_and_never_converted(tmp_path_factory, 
             "rope_parameters has no factor, which its rope type 'llama3' needs")
 
 
-@pytest.mark.stack("py311")
 def test_a_conversion_never_writes_into_its_source_or_what_it_did_not_create(tmp_path_factory, tmp_path, capsys):
     spec, overrides, run_dir, _, _, hf_dir = export(LLAMA, tmp_path_factory)
     before = {name: open(os.path.join(hf_dir, name), "rb").read() for name in os.listdir(hf_dir)}
@@ -354,7 +351,6 @@ def _stopped_mid_conversion(argv, out):
     raise AssertionError("the conversion always finished before it could be stopped")
 
 
-@pytest.mark.stack("py311")
 def test_signals_leave_nothing_behind_and_a_killed_conversion_reruns(tmp_path_factory, tmp_path):
     """SIGTERM and Ctrl-C (SIGINT) mid-conversion: one line, exit 128 + the signal, no output, no staging
     directory. kill -9: the staging directory stays, and the same command run again removes it (one line) and
@@ -381,7 +377,6 @@ def test_signals_leave_nothing_behind_and_a_killed_conversion_reruns(tmp_path_fa
     assert os.listdir(tmp_path) == ["weights"] and os.path.isdir(os.path.join(out, "checkpoints", "0", "state"))
 
 
-@pytest.mark.stack("py311")
 def test_an_export_whose_checkpoint_its_run_removes_says_so(tmp_path_factory, tmp_path):
     """A live run deletes its older checkpoints (checkpoint.keep) while to-hf may be reading one: one line that
     the run removed it, never that it is damaged, and no output."""
@@ -399,7 +394,6 @@ def test_an_export_whose_checkpoint_its_run_removes_says_so(tmp_path_factory, tm
     assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
-@pytest.mark.stack("py311")
 def test_a_full_or_read_only_filesystem_is_one_line_and_leaves_nothing(tmp_path_factory, tmp_path, capsys):
     spec, overrides, run_dir, _, _, hf_dir = export(LLAMA, tmp_path_factory)  # 0.6 MiB of float32 weights
     disk = str(tmp_path / "disk")
@@ -415,7 +409,6 @@ def test_a_full_or_read_only_filesystem_is_one_line_and_leaves_nothing(tmp_path_
         assert "(Read-only file system); nothing was written" in err
 
 
-@pytest.mark.stack("py311")
 def test_the_command_documents_both_directions_and_bad_input_is_one_line_without_a_traceback(tmp_path):
     help_text = run_cli(["-m", "MaxOffload.convert", "--help"])
     assert help_text.returncode == 0
@@ -452,7 +445,6 @@ DAMAGED = {"hf_config_cut_short": (HF_SOURCE, lambda text: text[:len(text) // 2]
                                           "'model.num_layers' should be an integer, got a string (")}
 
 
-@pytest.mark.stack("py311")
 @pytest.mark.parametrize("case", list(DAMAGED))
 def test_to_hf_from_a_run_with_a_damaged_json_file_is_one_line_and_writes_nothing(tmp_path_factory, tmp_path, case):
     """The run's config.json (its model) or from-hf's hf_config.json (what the export carries over) cut short, of

@@ -20,7 +20,6 @@ from MaxOffload import from_config
 from MaxOffload.config.loader import load
 from MaxOffload.train.checkpoint import load_params
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 CONFIGS = {"llama": "configs/llama3_1.py:tiny", "deepseek": "configs/deepseek_v3.py:tiny"}
 TOKENS = np.random.default_rng(0).integers(0, 512, (2, 40))

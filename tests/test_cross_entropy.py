@@ -14,8 +14,6 @@ from conftest import ROOT, run_cli
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import cross_entropy
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
-
 
 def optax_loss(x, head, targets, mask):
     logits = jnp.einsum("ble,ev->blv", x, head, preferred_element_type=jnp.float32)

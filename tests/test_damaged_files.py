@@ -11,8 +11,6 @@ from conftest import run_cli
 from MaxOffload.errors import ConfigError
 from MaxOffload.train import integrity
 
-pytestmark = pytest.mark.stack("py311")  # one-line errors and file formats: not the JAX version's
-
 
 def _weights_reader(directory):
     from MaxOffload.convert.orbax_files import WeightsReader

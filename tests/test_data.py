@@ -14,7 +14,6 @@ import pytest
 from conftest import small_filesystem
 from MaxOffload.data import prepare, text, tokenized, tokenizer
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()

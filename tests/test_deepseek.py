@@ -294,7 +294,6 @@ def test_deepseek_v3_attention_scale_and_rope_amplitude():
 # 2. Multi-head latent attention
 
 
-@pytest.mark.stack("py311")
 def test_mla_matches_naive_reference():
     rng = np.random.default_rng(0)
     b, l, d, h, ql, kl, nope, rope, vd = 2, 7, 24, 3, 12, 10, 8, 6, 5
@@ -422,7 +421,6 @@ def ref_moe(layer, x, kept=lambda b, t, c, e: True):
     return out
 
 
-@pytest.mark.stack("py311")
 def test_dropless_moe_matches_loop_over_tokens_and_experts():
     layer = make_moe()
     layer.router_bias[...] = jnp.asarray(np.random.default_rng(5).standard_normal(6), jnp.float32) * 0.1
@@ -432,6 +430,7 @@ def test_dropless_moe_matches_loop_over_tokens_and_experts():
     assert float(stats["load"].sum()) == 3 * 5 * 2 and float(stats["dropped"]) == 0
 
 
+@pytest.mark.stack("py311", "py312")
 def test_tokamax_grouped_gemm_equals_ragged_dot_values_and_gradients():
     """The tokamax path of the grouped GEMM (models/kernels.py; on CPU tokamax's XLA implementation, behind the
     same call and custom VJP as its Triton kernel) gives jax.lax.ragged_dot's values and gradients, with zeros
@@ -452,6 +451,7 @@ def test_tokamax_grouped_gemm_equals_ragged_dot_values_and_gradients():
     assert kernels.grouped_gemm_for("tokamax", "cpu") == "tokamax:xla"
 
 
+@pytest.mark.stack("py311", "py312")
 def test_moe_layer_through_tokamax_matches_the_loop_reference():
     layer = make_moe(kernel="tokamax")
     assert layer.kernel == "tokamax:xla"
@@ -460,7 +460,6 @@ def test_moe_layer_through_tokamax_matches_the_loop_reference():
     np.testing.assert_allclose(np.asarray(out), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.stack("py311")
 def test_dropless_buffer_keeps_the_first_rows_in_expert_order_and_counts_the_rest():
     """model.moe_buffer_factor=0.5 on one device: rows for half of the 30 choices; the choices sorted by expert
     (then token, then choice) past row 15 are dropped, counted, and give nothing."""
@@ -477,7 +476,6 @@ def test_dropless_buffer_keeps_the_first_rows_in_expert_order_and_counts_the_res
     np.testing.assert_allclose(np.asarray(full), ref_moe(layer, x), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.stack("py311")
 def test_dropless_gradients_match_dense_reference():
     """Gradients through sort + ragged_dot == gradients of every expert on every token, masked by the routing."""
     layer = make_moe(num_shared=0)
@@ -502,7 +500,6 @@ def test_dropless_gradients_match_dense_reference():
         np.testing.assert_allclose(np.asarray(g_sparse), np.asarray(g_dense), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.stack("py311")
 def test_capacity_mode_drops_later_tokens_and_counts_them():
     rng = np.random.default_rng(6)
     b, l, k, e, d, m, capacity = 2, 9, 2, 4, 8, 6, 3
@@ -531,7 +528,6 @@ def test_capacity_mode_drops_later_tokens_and_counts_them():
     assert int(jnp.sum(positions >= capacity)) == len(dropped) == int(counted)
 
 
-@pytest.mark.stack("py311")
 def test_capacity_mode_multiplies_as_one_batched_gemm_equal_to_ragged_dot():
     """Capacity mode's equal groups go through a batched GEMM (no ragged_dot, whose GPU lowering is a dense
     dot over every expert): the same values and gradients as ragged_dot on the same groups."""
@@ -552,7 +548,6 @@ def test_capacity_mode_multiplies_as_one_batched_gemm_equal_to_ragged_dot():
     assert "ragged_dot" not in jaxpr and "dot_general" in jaxpr
 
 
-@pytest.mark.stack("py311")
 def test_capacity_mode_statistics_count_dropped_choices():
     layer = make_moe(capacity_factor=0.5)  # capacity = ceil(0.5 * 10 * 2 / 6) = 2 per expert and sequence
     x = jnp.asarray(rand(np.random.default_rng(7), 3, 10, 16))
@@ -568,7 +563,6 @@ def test_capacity_mode_statistics_count_dropped_choices():
 # 5. the model: state, tagged names, configuration
 
 
-@pytest.mark.stack("py311")
 def test_model_state_is_the_router_biases_and_moves_against_the_load():
     from MaxOffload import from_config
 
@@ -588,6 +582,7 @@ def test_model_state_is_the_router_biases_and_moves_against_the_load():
     assert float(aux["aux_loss"]) == pytest.approx(1e-4 * 2 * float(aux["metrics"]["moe/balance_loss"]), rel=1e-5)
 
 
+@pytest.mark.stack("py311", "py312")
 def test_every_tagged_name_is_tagged_in_the_training_step():
     from MaxOffload import from_config
 
@@ -667,7 +662,6 @@ def test_train_flops_by_hand():
     assert all_experts == sum(math.prod(params["moe_layers"]["mlp"][w].shape) for w in ("wi_0", "wi_1", "wo"))
 
 
-@pytest.mark.stack("py311")
 def test_dry_run_671b(cli, tmp_path):
     started = time.perf_counter()
     result = cli(["train.py", "configs/deepseek_v3.py:671b", "run.dry_run=true", f"run.output_dir={tmp_path}"])
@@ -715,7 +709,6 @@ def ep_runs(background):
     return runs
 
 
-@pytest.mark.stack("py311")
 @pytest.mark.parametrize("name,reference", [("expert8", "single"), ("expert4_fsdp2", "single"),
                                             ("expert2_fsdp2_tensor2_capacity", "single_capacity"),
                                             ("expert8_tokamax_buffer", "single")])
@@ -730,7 +723,6 @@ def test_expert_parallel_equals_single_device(ep_runs, name, reference):
     assert np.abs(np.asarray(ref["router_bias"])).max() > 0  # the biases did move
 
 
-@pytest.mark.stack("py311")
 def test_destination_rows_are_the_all_gathered_choices_in_expert_order():
     """Each rank's choices land where the all-gather exchange puts them: in their owner's rows in expert order,
     then rank, then token order (so a budget drops the same choices). Fails if a row collides or moves."""
@@ -748,19 +740,19 @@ def test_destination_rows_are_the_all_gathered_choices_in_expert_order():
         np.testing.assert_array_equal(got.reshape(-1)[in_order], np.arange(len(in_order)))
 
 
-@pytest.mark.parametrize("name,reference", [("expert8_all_to_all", "single_mtp"),
-                                            ("expert4_fsdp2_all_to_all", "single_mtp"),
-                                            ("expert4_fsdp2_half_buffer_all_to_all",
-                                             "expert4_fsdp2_half_buffer_all_gather"),
-                                            # the ragged transport's CPU emulation: its arithmetic in jnp, the
-                                            # same on every jax (py312 checks the padded all_to_all, as issue 42
-                                            # asks: its CPU equalities on both stacks; the ragged GPU program:
-                                            # test_aot.py)
-                                            pytest.param("expert8_all_to_all_ragged", "single_mtp",
-                                                         marks=pytest.mark.stack("py311")),
-                                            pytest.param("expert4_fsdp2_half_buffer_all_to_all_ragged",
-                                                         "expert4_fsdp2_half_buffer_all_gather",
-                                                         marks=pytest.mark.stack("py311"))])
+# the padded transport (jax.lax.all_to_all, what XLA:CPU runs) on both stacks, as issue 42 asks: its CPU equalities
+# on both; the ragged transport's CPU emulation on py311 only: its arithmetic in jnp, the same on every jax (the ragged
+# GPU program: test_aot.py)
+BOTH = pytest.mark.stack("py311", "py312")
+
+
+@pytest.mark.parametrize("name,reference", [pytest.param("expert8_all_to_all", "single_mtp", marks=BOTH),
+                                            pytest.param("expert4_fsdp2_all_to_all", "single_mtp", marks=BOTH),
+                                            pytest.param("expert4_fsdp2_half_buffer_all_to_all",
+                                                         "expert4_fsdp2_half_buffer_all_gather", marks=BOTH),
+                                            ("expert8_all_to_all_ragged", "single_mtp"),
+                                            ("expert4_fsdp2_half_buffer_all_to_all_ragged",
+                                             "expert4_fsdp2_half_buffer_all_gather")])
 def test_token_all_to_all_equals_the_all_gather_exchange_and_one_device(background, name, reference):
     """mesh.exchange=all_to_all (each choice to its expert's owner and back, the padded all_to_all that XLA:CPU runs;
     _ragged: the ragged transport of GPUs and TPUs, its primitive emulated here) over 8 expert ranks and 4 x fsdp 2,
@@ -781,7 +773,6 @@ def test_token_all_to_all_equals_the_all_gather_exchange_and_one_device(backgrou
         assert all(m["moe/dropped_fraction"] > 0 for m in run["metrics"]), run["metrics"]
 
 
-@pytest.mark.stack("py311")
 @pytest.mark.parametrize("name", ["context4_fsdp2_mtp", "context8_balanced_kv_mtp", "context8_flash_mtp",
                                   "context4_fsdp2_balanced_flash_mtp"])
 def test_context_parallel_mla_with_mtp_equals_single_device(background, name):
@@ -799,7 +790,6 @@ def test_context_parallel_mla_with_mtp_equals_single_device(background, name):
     np.testing.assert_allclose(run["router_bias"], ref["router_bias"], atol=1e-6)
 
 
-@pytest.mark.stack("py311")
 def test_expert_parallel_shards_the_experts(ep_runs):
     # wi_0 is [moe layers, experts, emb, moe_mlp]: experts over `expert`, emb over fsdp, moe_mlp over tensor
     assert ep_runs["expert8"]["wi_0_spec"] == ["None", "expert", "fsdp", "tensor"]
@@ -810,6 +800,7 @@ def test_expert_parallel_shards_the_experts(ep_runs):
     assert ep_runs["expert8_tokamax_buffer"]["metrics"][0]["moe/dropped_fraction"] == 0
 
 
+@pytest.mark.stack("py311", "py312")
 def test_offload_in_moe_group_only(background):
     code, out, err = background.result("inspect")
     assert code == 0, out + err
@@ -822,6 +813,7 @@ def test_offload_in_moe_group_only(background):
     assert "all requested placements confirmed" in out
 
 
+@pytest.mark.stack("py311", "py312")
 def test_tiny_training_loss_falls_and_logs_expert_load(background):
     code, out, err = background.result("train")
     assert code == 0, err[-3000:]
@@ -839,7 +831,6 @@ def test_tiny_training_loss_falls_and_logs_expert_load(background):
     assert b"train/moe/max_load_layer1" in events and b"train/moe/mean_bias_range" in events
 
 
-@pytest.mark.stack("py311")
 def test_mla_goes_through_the_shared_chunked_attention():
     """At 2,048 tokens (four query blocks of 512, each multiplying only by the keys it can see) no
     intermediate of the forward pass holds the whole [length x length] score matrix: DeepSeek's MLA uses the

@@ -2,11 +2,7 @@
 import os
 import re
 
-import pytest
-
 from conftest import ROOT
-
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version
 
 
 def named_paths(text):

@@ -35,11 +35,10 @@ def logits_of(model, tokens, documents=None):
 
 
 # the xla paths' masks are pure JAX (py311 only); the flash kernel is tokamax's, another release on each stack
-@pytest.mark.parametrize("spec, attention", [pytest.param("configs/llama3_1.py:tiny", "xla",
-                                                          marks=pytest.mark.stack("py311")),
-                                             ("configs/llama3_1.py:tiny", "flash"),
-                                             pytest.param("configs/deepseek_v3.py:tiny", "xla",
-                                                          marks=pytest.mark.stack("py311"))],
+@pytest.mark.parametrize("spec, attention", [("configs/llama3_1.py:tiny", "xla"),
+                                             pytest.param("configs/llama3_1.py:tiny", "flash",
+                                                          marks=pytest.mark.stack("py311", "py312")),
+                                             ("configs/deepseek_v3.py:tiny", "xla")],
                          ids=["llama-xla", "llama-flash", "deepseek-xla"])
 def test_a_packed_row_is_its_documents_run_alone(spec, attention):
     """Each document's logits in the packed row equal the same tokens run as a row of their own (RoPE's angles
@@ -91,7 +90,6 @@ def test_train_py_with_documents_runs_and_its_step_takes_them(tmp_path):
     assert "documents" in setup.abstract_batch() and "documents" in setup.batch_shardings()
 
 
-@pytest.mark.stack("py311")  # pure JAX masks and collectives on CPU devices
 def test_documents_over_load_balanced_context_shards_equal_one_device(tmp_path):
     """DeepSeek tiny (MLA: each shard gathers the latent, and the documents with the positions) over 4 load-balanced
     context shards x fsdp 2, XLA's attention, a batch of real text whose rows hold several documents (lines of

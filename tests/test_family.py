@@ -28,7 +28,6 @@ from MaxOffload.models.stack import SingleStackDecoder
 from MaxOffload.offload import inspect as inspect_lib
 from MaxOffload.offload import names, planner
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 ACTIVATIONS = {"gelu": jax.nn.gelu, "relu": jax.nn.relu}
 TAGGED = (names.DECODER_LAYER_INPUT, names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ, names.ATTENTION_OUT,

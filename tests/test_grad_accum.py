@@ -10,7 +10,6 @@ import pytest
 from conftest import ROOT, process_env, run_cli
 from test_checkpoint import TINY, losses, sigterm_and_resume
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 # Each case's batches are a step of synthetic data as the trainer reads it (tests/helpers/grad_accum_check.py): K
 # micro-batches of the source and one batch of K x the rows, so a source that drew other tokens per batch shape

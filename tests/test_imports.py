@@ -8,11 +8,8 @@ import ast
 import os
 import re
 
-import pytest
-
 from conftest import ROOT
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 PACKAGE = "MaxOffload"
 

@@ -9,11 +9,8 @@ import os
 import re
 import sys
 
-import pytest
-
 from conftest import ROOT
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 # the project's own modules, the test modules that other tests import from (tests/ is on their path), and the
 # helper scripts that import each other (a script's own folder, tests/helpers/, is on its path)

@@ -20,7 +20,6 @@ from MaxOffload.models.rope import apply_rope, rope_inv_freq
 from MaxOffload.offload.names import VOCABULARY
 from MaxOffload.train.flops import train_flops_per_step
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 # --------------------------------------------------------------------------------------------
 # helpers

@@ -19,7 +19,6 @@ from MaxOffload.config import load
 from MaxOffload.models import components, exchange, matmul, routing
 from MaxOffload.offload import names as offload_names
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 SMALL = ["train.seq_len=16", "train.per_device_batch_size=2"]
 

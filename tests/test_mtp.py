@@ -19,7 +19,6 @@ from MaxOffload.models import deepseek
 from MaxOffload.models.positions import Positions
 from MaxOffload.offload import placement
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 TINY = "configs/deepseek_v3.py:tiny"
 LENGTH = 16

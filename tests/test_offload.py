@@ -227,6 +227,7 @@ def test_expected_sets_follow_the_rule():
         assert saved == ({n for n, d in chosen.items() if d == "device"} & TAGGED & NEEDED) | {DLI}, preset
 
 
+@pytest.mark.stack("py311", "py312")
 @pytest.mark.parametrize("preset", sorted(EXPECTED))
 def test_preset_report(preset, tmp_path):
     cfg = tiny(tmp_path, f"remat.policy={preset}")
@@ -270,6 +271,7 @@ def test_minimal_offloaded_bytes_by_hand(tmp_path):
     assert report["offload_bytes_per_device"] == 544 * 2 * 32 * 4 * 2 == 278528
 
 
+@pytest.mark.stack("py311", "py312")
 def test_offloading_the_layer_input_takes_effect(tmp_path):
     """On this JAX the forward scan hands the backward only the host copy of the scan carry
     (jax#23869 does not bite here): decoder_layer_input=offload is reported offloaded, with one
@@ -366,6 +368,7 @@ EXTRA_PLACEMENT = ('%999 = stablehlo.custom_call @annotate_device_placement(%998
                    '(tensor<2x32x64xf32>) -> tensor<2x32x64xf32>\n')
 
 
+@pytest.mark.stack("py311", "py312")
 def test_placement_cross_check(qkv_offloaded):
     cfg, setup, text = qkv_offloaded
     assert placement.build_report(cfg, setup, cpu_memory=False, lowered_text=text)["problems"] == []
@@ -434,6 +437,7 @@ def _hand_built():
     return jax.grad(loss, argnums=(0, 1, 2)), args
 
 
+@pytest.mark.stack("py311", "py312")
 def test_cuda_host_placements_of_a_real_export():
     grad, args = _hand_built()
     text = jax.export.export(jax.jit(grad), platforms=["cuda"])(*args).mlir_module()
@@ -448,6 +452,7 @@ def test_cuda_host_placements_of_a_real_export():
     assert placement.cuda_host_placements(extra) == [((), "float32")]
 
 
+@pytest.mark.stack("py311", "py312")
 def test_classify_residuals_of_a_hand_built_scan():
     grad, args = _hand_built()
     found = placement.classify_residuals(jax.make_jaxpr(grad)(*args))
@@ -464,7 +469,6 @@ def test_classify_residuals_of_a_hand_built_scan():
 PARITY_PRESETS = [p for p in policy.PRESETS if p not in ("full", "custom")]
 
 
-@pytest.mark.stack("py311")
 @pytest.mark.parametrize("half", [0, 1])
 def test_parity_all_presets_and_groups(group_cfg, half):
     """Every preset on every layer, and the layer groups' own plan ("this config"), give full remat's loss and
@@ -482,7 +486,6 @@ def test_parity_all_presets_and_groups(group_cfg, half):
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), label
 
 
-@pytest.mark.stack("py311")
 def test_parity_through_the_flash_attention_path(tmp_path):
     """The flash path (tokamax's custom VJP; its XLA implementation on CPU) under offloading (q/k/v and the
     MLP inputs to the host) and under save_all (the kernel's own residuals kept) against full remat."""
@@ -493,6 +496,7 @@ def test_parity_through_the_flash_attention_path(tmp_path):
         assert ok and grad_diff < 1e-6 and abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (label, loss, grad_diff)
 
 
+@pytest.mark.stack("py311", "py312")
 def test_parity_gate_can_fail(tmp_path, monkeypatch):
     """compare() marks a variant not ok when its loss or its gradients differ beyond the relative
     tolerance (1e-5 for float32), and ok when within it."""
@@ -525,6 +529,7 @@ def test_parity_gate_can_fail(tmp_path, monkeypatch):
     assert "MISMATCH" in parity.format_rows(ref_loss, tolerance, rows)
 
 
+@pytest.mark.stack("py311", "py312")
 def test_train_stops_on_parity_failure(tmp_path, monkeypatch, capsys):
     """offload.verify_parity=true: a mismatch stops train.py before training, exit status 1."""
     sys.path.insert(0, ROOT)
@@ -691,6 +696,7 @@ def test_unknown_preset_in_decisions():
 # CLI runs (started in the background): 3. inspect, 5. parity, 6. bad inputs, 8. verify_parity
 
 
+@pytest.mark.stack("py311", "py312")
 def test_inspect_cli(background):
     result = cli_result(background, "inspect_ok")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -730,6 +736,7 @@ def test_bad_input(background, key):
         assert text in lines[0], lines[0]
 
 
+@pytest.mark.stack("py311", "py312")
 def test_train_verify_parity(background):
     result = cli_result(background, "verify_parity")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -750,6 +757,7 @@ def two_devices(background):
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.stack("py311", "py312")
 def test_bytes_per_device_on_two_devices_data_parallel(two_devices):
     """fsdp=2 splits the batch of 2 x 2 sequences: per device 2 sequences, as on one device."""
     out = two_devices["dp"]
@@ -762,6 +770,7 @@ def test_bytes_per_device_on_two_devices_data_parallel(two_devices):
     assert group["offload_bytes_per_device"] == bytes_per_device(Q, 2) + bytes_per_device(WI0, 2) == 32768 + 90112
 
 
+@pytest.mark.stack("py311", "py312")
 def test_bytes_per_device_on_two_devices_tensor_parallel(two_devices):
     """tensor=2 leaves the batch of 4 whole on each device but splits query_proj's 4 heads
     (activation_heads -> tensor) and mlpwi_0's 176 MLP columns (activation_mlp -> tensor). The

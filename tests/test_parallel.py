@@ -53,7 +53,6 @@ def mesh_runs():
     return runs
 
 
-@pytest.mark.stack("py311")
 @pytest.mark.parametrize("group", GROUPS)
 def test_same_losses_under_every_mesh(mesh_runs, group):
     reference = mesh_runs("plain")["data8"]["losses"]
@@ -64,7 +63,6 @@ def test_same_losses_under_every_mesh(mesh_runs, group):
         assert run["losses"] == pytest.approx(reference, rel=1e-5), name
 
 
-@pytest.mark.stack("py311")
 def test_fsdp_splits_parameters_eight_ways(mesh_runs):
     runs = mesh_runs("plain")
     replicated, fsdp = runs["data8"]["param_bytes"], runs["fsdp8"]["param_bytes"]

@@ -18,7 +18,6 @@ from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import pipeline
 from MaxOffload.parallel.pipeline import Pipeline
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 # tests/helpers/pipeline_check.py's process: LLVM's optimizations off. Its figures are equalities of two programs

@@ -10,8 +10,6 @@ from conftest import run_cli
 from test_checkpoint import losses
 from test_pipeline import CHECK, LLAMA
 
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
-
 
 # train.py on 8 CPU devices with LLVM's optimizations off (test_pipeline.CHECK): every loss is compared with another
 # run's compiled alike; the few steps of a tiny model run in far less time than they compile

@@ -1,12 +1,9 @@
 """The planner's HBM model against XLA's figure from the deviceless GB200 compile. A file of its own: it is
 the suite's longest test (seven GPU compiles), and pytest-xdist's --dist loadfile runs it beside
 the rest of the planner's tests instead of after them."""
-import pytest
 
 from MaxOffload.config import load
 from MaxOffload.offload import planner
-
-pytestmark = pytest.mark.stack("py311")  # CI runs this file on the py311 stack (tests/conftest.py)
 
 
 def test_hbm_prediction_matches_the_deviceless_compile():

@@ -162,6 +162,7 @@ def profiled(tmp_path_factory):
         return {name: (f.result(), str(tmp / name)) for name, f in futures.items()}
 
 
+@pytest.mark.stack("py311", "py312")
 @pytest.mark.parametrize("name", ["one", "two"])
 def test_xprof_window_holds_exactly_the_requested_steps(profiled, name):
     from MaxOffload.profile import overlap

@@ -23,8 +23,6 @@ from MaxOffload.parallel import consensus, stragglers, watchdog
 
 TINY_CHECKPOINTED = [*TINY, "train.warmup_steps=1", "checkpoint.every_steps=5", "train.eval_every=0", "run.log_every=1"]
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
-
 
 def test_processes_with_different_configs_end_in_one_line(tmp_path):
     """A stale node: process 1 runs model.num_layers=3 where process 0 runs 2. Both end within seconds, each with

@@ -11,8 +11,6 @@ import pytest
 from conftest import run_cli, small_filesystem
 from test_checkpoint import TINY, _sound, losses, start, wait_for_step
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
-
 
 def snapshot(out):
     """Every file of the run directory (checkpoints included) -> its bytes; the lock file aside (each run that

@@ -16,7 +16,6 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.stack("py311")  # its subject does not depend on the Python/JAX version: CI runs it on one stack
 
 TINY = ["configs/llama3_1.py:tiny", "train.steps=4", "train.warmup_steps=1", "train.seq_len=32",
         "train.per_device_batch_size=2", "model.compute_dtype=float32"]

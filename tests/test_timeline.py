@@ -277,7 +277,6 @@ def test_the_quickstart_on_gb200_exposes_its_copies_under_baseline_and_the_trace
     assert f"its first 10 of {len(sim.events):,} events" in short[0]["args"]["name"]
 
 
-@pytest.mark.stack("py311")
 def test_the_h200_programs_are_predicted_within_20_percent_and_ranked_as_measured():
     """The five H200 variants as compiled deviceless on jax 0.12 (tests/data/h200_programs, written by
     benchmarks/predict_vs_measured.py --save_programs) against their measured step times
@@ -293,7 +292,6 @@ def test_the_h200_programs_are_predicted_within_20_percent_and_ranked_as_measure
     assert order[:3] == ["auto", "remat", "offload+lhs+pipelined"] and set(order[3:]) == {"offload", "offload+lhs"}
 
 
-@pytest.mark.stack("py311")
 def test_the_planner_ranks_an_offload_plan_by_its_timeline_per_host_link():
     """Offloading out_proj and mlpwi_0 of a 4096-wide layer: on an H200 (PCIe) its copies cannot hide and it loses
     to full remat; on a GH200 (NVLink-C2C) they hide and it wins, by the compiled timelines."""

@@ -239,7 +239,6 @@ def test_tpu_preset_flags_are_checked_against_the_installed_libtpu(tmp_path, mon
     assert "tpu_overlap" not in xla.presets_for("gpu") and "lhs" not in xla.presets_for("tpu")
 
 
-@pytest.mark.stack("py311")
 def test_the_v5e_programs_are_predicted_within_15_percent_and_ordered_as_measured():
     """The six variants measured on the lent v5e (benchmarks/results/tpu_v5e_2026-12-05), as compiled deviceless on
     jax 0.10.2 + libtpu 0.0.42 (tests/data/v5e_programs, written by benchmarks/predict_vs_measured.py --target v5e
@@ -269,7 +268,6 @@ def test_splash_attention_equals_the_xla_path_per_shard():
         assert case["output"] < 1e-5 and case["gradients"] < 1e-4, (name, case)
 
 
-@pytest.mark.stack("py311")
 def test_splash_on_a_deviceless_v5e_never_holds_the_scores(tmp_path):
     """One layer of Llama-8B attention shape (16 heads on 4 kv heads of 128, 2 x 2,048 tokens) on one v5e:
     model.attention=auto runs splash, counted by the audit from its kernels (at the work its causal blocks take),
@@ -294,7 +292,6 @@ def test_splash_on_a_deviceless_v5e_never_holds_the_scores(tmp_path):
                                                                                   rel=0.02)
 
 
-@pytest.mark.stack("py311")
 def test_splash_over_context_shards_on_a_deviceless_v5e_counts_each_shards_causal_blocks(tmp_path):
     """A sequence of 1,024 tokens load-balanced over 4 context shards of a deviceless 2x2 v5e: splash runs on each
     shard's 256 rows (two chunks of 128, one block each) against the gathered 1,024 keys, and the audit counts from
@@ -411,7 +408,6 @@ def test_a_step_the_compiler_refuses_for_memory_is_one_line_exit_2(tmp_path, mon
         memory.compile_or_config_error(lambda: (_ for _ in ()).throw(ValueError("INVALID_ARGUMENT: shapes")))
 
 
-@pytest.mark.stack("py311")
 def test_the_token_all_to_all_is_ragged_on_a_deviceless_v5e(tmp_path):
     """mesh.exchange=all_to_all on TPUs moves the routed rows by XLA's ragged all-to-all (the padded all_to_all is the
     CPU's transport): DeepSeek tiny over 4 expert ranks of a v5e 2x2, read in its optimized program."""
@@ -431,7 +427,6 @@ def test_the_token_all_to_all_is_ragged_on_a_deviceless_v5e(tmp_path):
     assert json.loads((tmp_path / "out" / "aot_report.json").read_text())["fits"]
 
 
-@pytest.mark.stack("py311")
 def test_device_check_variants_run_in_one_process(tmp_path):
     """benchmarks/tpu/run_variants.py: two device-check variants (shrunk to the CPU's size by trailing overrides) in
     one process, each with its own summary and log; variants of different xla.preset values refused in one line."""

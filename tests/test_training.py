@@ -80,6 +80,7 @@ def finished(runs, name):
 # The main tiny run on the bundled text
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.stack("py311", "py312")
 def test_loss_falls_on_real_text(runs):
     _, out = finished(runs, "main")
     _, train, _ = read_metrics(out)
@@ -90,6 +91,7 @@ def test_loss_falls_on_real_text(runs):
     assert first - last > 1.0, f"loss fell only {first - last:.3f} nats ({first:.3f} -> {last:.3f})"
 
 
+@pytest.mark.stack("py311", "py312")
 def test_metrics_jsonl_one_object_per_step(runs):
     _, out = finished(runs, "main")
     rows, train, evals = read_metrics(out)
@@ -105,6 +107,7 @@ def test_metrics_jsonl_one_object_per_step(runs):
         assert r["mfu"] is None  # a CPU has no known peak
 
 
+@pytest.mark.stack("py311", "py312")
 def test_eval_lines(runs):
     _, out = finished(runs, "main")
     _, _, evals = read_metrics(out)
@@ -114,6 +117,7 @@ def test_eval_lines(runs):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.stack("py311", "py312")
 def test_summary_json(runs):
     result, out = finished(runs, "main")
     _, train, evals = read_metrics(out)
@@ -130,6 +134,7 @@ def test_summary_json(runs):
     assert "done:" in result.stdout
 
 
+@pytest.mark.stack("py311", "py312")
 def test_tensorboard_events_match_metrics(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -163,6 +168,7 @@ def expected_lr(step, *, peak=MAIN_LR, warmup=MAIN_WARMUP, steps=MAIN_STEPS, rat
     return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@pytest.mark.stack("py311", "py312")
 def test_learning_rate_schedule(runs):
     _, out = finished(runs, "main")
     _, train, _ = read_metrics(out)
@@ -184,6 +190,7 @@ def test_learning_rate_schedule(runs):
 # Determinism, data sources, dry run
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.stack("py311", "py312")
 def test_same_seed_same_losses_other_seed_differs(runs):
     losses = {}
     for name in ("seed0_a", "seed0_b", "seed1"):
@@ -196,6 +203,7 @@ def test_same_seed_same_losses_other_seed_differs(runs):
     assert losses["seed0_a"][0] != losses["seed1"][0]  # different init and data from the first step
 
 
+@pytest.mark.stack("py311", "py312")
 def test_synthetic_data_runs(runs):
     result, out = finished(runs, "synthetic")
     assert "synthetic" in result.stdout
@@ -207,6 +215,7 @@ def test_synthetic_data_runs(runs):
     assert len(evals) == 1 and math.isfinite(evals[0]["eval_loss"])
 
 
+@pytest.mark.stack("py311", "py312")
 def test_user_text_file_runs(runs):
     result, out = finished(runs, "user_text")
     assert "byte-level text: 1 documents" in result.stdout
@@ -218,6 +227,7 @@ def test_user_text_file_runs(runs):
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5  # repeated sentences are quickly learnt
 
 
+@pytest.mark.stack("py311", "py312")
 def test_dry_run_writes_sizes_only(runs):
     result, out = finished(runs, "dry")
     with open(os.path.join(out, "dry_run.json")) as f:
@@ -377,7 +387,6 @@ def test_synthetic_data_is_a_function_of_seed_and_step():
     assert batch["inputs"].max() < 100
 
 
-@pytest.mark.stack("py311")  # numpy only
 @pytest.mark.parametrize("source", ["synthetic", "text"])
 def test_a_steps_rows_do_not_depend_on_micro_batches_or_processes(source):
     """Row r of step s is the same sequence whatever cuts the step: k micro-batches of b rows (the trainer reads
