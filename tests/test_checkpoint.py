@@ -109,6 +109,9 @@ def test_checkpoint_disabled_neither_resumes_nor_saves(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "resumed from" not in result.stdout and "training steps 1-5" in result.stdout
     assert rundir.checkpoint_steps(tmp_path) == []  # nothing saved
+    # ... nor read: goodput counts no checkpoint time (a fresh state's initialisation is start-up, its `other`)
+    [segment] = [json.loads(line) for line in open(tmp_path / "goodput.jsonl")]
+    assert segment["checkpoint_s"] < 0.05 and segment["wall_s"] > segment["compile_s"] > 0, segment
     [aside] = os.listdir(tmp_path / "replaced")
     assert sorted(n for n in os.listdir(tmp_path / "replaced" / aside / "checkpoints") if n.isdigit()) == ["3"]
 

@@ -8,10 +8,15 @@ processes hung that way in the CI rehearsal of 2026-12-07 until gloo's own timeo
 agreements are the coordinator's: a barrier and a few keys, which order nothing on the devices and cost about a
 millisecond a call on one host.
 
-    sync = HostSync(rank, count)   # every process, in the same order of calls
+    sync = shared()                # this process's (None for a lone process); every process, the same calls in order
     sync.wait("compiled")          # every process here before any goes on
     sync.any(local_flag)           # True on every process when any process passed True
     sync.to_lead(row)              # process 0 gets every process's row (a list of floats); the others None at once
+    sync.from_lead(value)          # process 0's value (JSON) on every process
+    sync.gather(value)             # every process's value (JSON), in rank order, on every process
+
+The start-up agreements (the run directory's lock, a checkpoint's integrity verdict, the moved-aside run directory)
+go through it too: each process's calls are numbered per kind, so one object serves the whole process (`shared`).
 """
 import json
 
@@ -26,10 +31,27 @@ def coordination_client():
     return distributed.global_state.client
 
 
+_SHARED = {}
+
+
+def shared():
+    """This process's HostSync (one for the whole process: the rounds of its calls are numbered in it), or None when
+    the job is one process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    key = (jax.process_index(), jax.process_count(), id(coordination_client()))
+    if key not in _SHARED:
+        _SHARED.clear()
+        _SHARED[key] = HostSync(jax.process_index(), jax.process_count())
+    return _SHARED[key]
+
+
 class HostSync:
     def __init__(self, rank, count, client=None):
         self.rank, self.count, self.client = rank, count, client or coordination_client()
-        self.rounds = {"any": 0, "to_lead": 0}
+        self.rounds = {"any": 0, "to_lead": 0, "from_lead": 0, "gather": 0}
 
     def _round(self, kind):
         self.rounds[kind] += 1
@@ -62,3 +84,20 @@ class HostSync:
             rows.append(json.loads(self.client.blocking_key_value_get(f"{prefix}{rank}", WAIT_MS)))
             self.client.key_value_delete(f"{prefix}{rank}")  # read once: the store keeps no history
         return rows
+
+    def from_lead(self, value):
+        """Process 0's `value` (anything JSON holds) on every process: process 0 returns its own at once, the others
+        wait for it."""
+        key = f"{ROOT}from_lead/{self._round('from_lead')}"
+        if self.rank == 0:
+            self.client.key_value_set(key, json.dumps(value))
+            return value
+        return json.loads(self.client.blocking_key_value_get(key, WAIT_MS))
+
+    def gather(self, value):
+        """[every process's `value`] (anything JSON holds) in rank order, on every process: each sets its own and
+        waits for the others'."""
+        prefix = f"{ROOT}gather/{self._round('gather')}/"
+        self.client.key_value_set(f"{prefix}{self.rank}", json.dumps(value))
+        return [value if rank == self.rank else
+                json.loads(self.client.blocking_key_value_get(f"{prefix}{rank}", WAIT_MS)) for rank in range(self.count)]

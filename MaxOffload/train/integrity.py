@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from MaxOffload.jsonfile import COUNT, Unreadable, every, optional, read_json
+from MaxOffload.parallel import host_sync
 
 _PREFIX, _SUFFIX = "integrity.process_", ".json"
 _OWNER = re.compile(r"(?:^|/)(?:ocdbt\.process_|array_metadatas/process_)(\d+)(?:/|$)")
@@ -180,10 +181,9 @@ def verify(step_dir, configured, process_index, process_count, partial=False):
     """Returns a warning text (unverifiable) or None; raises Renamed, Damaged or Mismatch, the same on every process.
     `partial`: `configured` is the part of the saved structure that is to be restored (see _compare)."""
     code, text, params_match = _check_local(step_dir, configured, process_index, process_count, partial)
-    if process_count > 1:
-        from jax.experimental import multihost_utils
-
-        codes = np.asarray(multihost_utils.process_allgather(np.int32(code)))
+    sync = host_sync.shared()  # every process's verdict, through the coordinator (None: a lone process)
+    if sync is not None:
+        codes = np.asarray(sync.gather(code))
         worst = int(codes.max())
         if worst != code:
             found = {2: "damaged", 3: "different", 4: "renamed"}[worst]

@@ -77,10 +77,8 @@ def lock_output_dir(cfg, process_count, lead):
             lock = rundir.Lock(cfg.run.output_dir)
         except ConfigError as e:
             error = e
-    if process_count > 1:
-        from jax.experimental import multihost_utils
-
-        if not int(multihost_utils.broadcast_one_to_all(np.int32(lock is not None))) and error is None:
+    if process_count > 1:  # process 0's verdict, through the coordinator (parallel/host_sync.py)
+        if not host_sync.shared().from_lead(lock is not None) and error is None:
             error = ConfigError(f"run.output_dir={cfg.run.output_dir} is in use by a running job (process 0 could "
                                 "not lock it); wait for it to end, or give this run its own run.output_dir")
     if error is not None:
@@ -238,23 +236,26 @@ class Training:
         self.started, self.spent = started, collections.Counter()  # seconds per train/goodput.BUCKETS
         self.lead, self.process_count = process_index == 0, process_count
         # between steps the processes agree through the coordinator, never a device program (parallel/host_sync.py)
-        self.sync = host_sync.HostSync(process_index, process_count) if process_count > 1 else None
+        self.sync = host_sync.shared()  # None for a lone process
         self.data = data_lib.build(cfg, process_index, process_count)
         say(f"data: {self.data.description}")
         self.signals = []
 
     # -- state -------------------------------------------------------------------------------
     def initial_state(self, checkpointer):
-        """(state, first step): the newest checkpoint if resuming, else fresh (optionally with loaded params)."""
+        """(state, first step): the newest checkpoint if resuming, else fresh (optionally with loaded params). Reading
+        a checkpoint is goodput's checkpoint time; a fresh state's initialisation is start-up (its `other`)."""
         if self.cfg.checkpoint.enabled and self.cfg.checkpoint.resume:
-            restored = checkpointer.restore_latest()
+            with self.timed("checkpoint_s"):
+                restored = checkpointer.restore_latest()
             if restored is not None:
                 state, meta = restored
                 self.say(f"resumed from {checkpointer.directory}/{meta['step']} (step {meta['step']})")
                 return state, int(meta["step"])
         state = self.setup.init_state()
         if self.cfg.checkpoint.load_params_from:
-            weights, step = load_params(self.cfg.checkpoint.load_params_from, self.setup)
+            with self.timed("checkpoint_s"):
+                weights, step = load_params(self.cfg.checkpoint.load_params_from, self.setup)
             state = {**state, **weights}
             self.say(f"parameters loaded from {self.cfg.checkpoint.load_params_from} (step {step})")
         return state, 0
@@ -287,10 +288,8 @@ class Training:
                               f"move that run into {os.path.join(out, rundir.REPLACED)}/ first")
         if self.lead:
             self.say(f"run.overwrite=true: moved the earlier run ({held}) into {rundir.move_aside(out)}")
-        if self.process_count > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("run directory moved aside")
+        if self.sync is not None:
+            self.sync.wait("run directory moved aside")
 
     @contextlib.contextmanager
     def catching_signals(self):
@@ -358,8 +357,7 @@ class Training:
             self.one_run_per_directory()
             checkpointer = Checkpointer(cfg, setup)
             stack.callback(checkpointer.close)
-            with self.timed("checkpoint_s"):
-                state, start = self.initial_state(checkpointer)
+            state, start = self.initial_state(checkpointer)
             # what an earlier segment trained past this checkpoint: trained again (before the logger drops it)
             self.lost = goodput.lost_steps(cfg.run.output_dir, start) if start and self.lead else (0, 0.0)
             self.start = start
