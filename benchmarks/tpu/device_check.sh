@@ -12,7 +12,8 @@
 #               profile.tar.gz; skipped once 420 s have passed
 # LIBTPU_SETS="NAME=FLAGS;NAME=FLAGS": the attention, attention_sweep and variants stages run again under each set of
 # libtpu flags (LIBTPU_INIT_ARGS: libtpu reads them once, when a process starts it), their outputs tagged NAME
-# (attention_NAME.json, variant@NAME); SWEEP_ONLY=CHOICE,CHOICE limits attention_sweep to those block choices.
+# (attention_NAME.json, variant@NAME); SWEEP_ONLY=CHOICE,CHOICE limits attention_sweep to those block choices;
+# EXTRA="KEY=VALUE ..." adds overrides to every variant (e.g. train.steps=20: more steps in the timed mean).
 # Everything lands in $OUT: device_check.json (collect.py: every run's summary and key log lines), host_link.json,
 # logs.tar.gz, profile.tar.gz, attention.json. A train.py process takes ~80 s on the v5e (TPU start-up and shut-down,
 # init, two compiles, 8 steps); run_variants.py keeps one process for all the variants of a preset, which is meant to
@@ -91,7 +92,7 @@ variants() {
         left=$(( 540 - $(elapsed) ))
         if [ $left -le 0 ]; then echo "${by_preset[$preset]}skipped: $(elapsed) s gone"; continue; fi
         timeout $(( left + 60 )) python3 benchmarks/tpu/run_variants.py "$RUNS" ${by_preset[$preset]} --budget_s "$left" \
-            ${TAG:+--tag "@$TAG"} 2>&1 | grep -v "^W0\|^I0"
+            ${TAG:+--tag "@$TAG"} ${EXTRA:+-- $EXTRA} 2>&1 | grep -v "^W0\|^I0"
     done
 }
 
