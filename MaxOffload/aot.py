@@ -33,6 +33,10 @@ from MaxOffload.timeline import engines, simulate, summary, trace
 from MaxOffload.deviceless import HOST_USABLE, compile_only_devices, require_target
 
 
+UNSCANNED = ("placement not proved: the layers are a Python loop (model.scan_layers=false) and the proof reads the "
+             "scanned layer segments")
+
+
 def build_report(cfg, plan, target, topology):
     """(the report dict, the timeline's Simulation) of the step compiled for `target` x `topology`."""
     from MaxOffload import hardware
@@ -45,7 +49,8 @@ def build_report(cfg, plan, target, topology):
     accelerator = hardware.ACCELERATORS[target]
     devices = compile_only_devices(target, topology, cfg.aot.num_slices)
     setup = from_config.train_setup(cfg, devices, plan)
-    groups, problems, _ = activation_groups(cfg, setup)
+    # the placement proof reads the scanned layer segments; a Python loop of layers (model.scan_layers=false) has none
+    groups, problems, _ = activation_groups(cfg, setup) if cfg.model.scan_layers else ({}, [], [])
     started = time.perf_counter()
     compiled = memory.compile_or_refusal(setup.compile_train_step)
     compile_time = time.perf_counter() - started
@@ -87,7 +92,8 @@ def build_report(cfg, plan, target, topology):
         "host_state_traffic": host_state_traffic(setup, rates, predicted),
         "expert_weight_gathers": len(expert_weight_gathers(module, setup.model_config))
         if getattr(setup.model_config, "num_experts", 0) else None,
-        "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform), ragged_exchange_warning(setup)] if w]
+        "warnings": [w for w in [xla_bugs.affects(plan, accelerator.platform), ragged_exchange_warning(setup),
+                                 UNSCANNED if not cfg.model.scan_layers else None] if w]
         + [f"compiled work: {w}" for w in work["warnings"]],
     }, simulation
 
