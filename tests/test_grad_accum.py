@@ -23,10 +23,7 @@ CASES = {
 
 
 def check(cases, devices=1, extra=()):
-    # LLVM's optimizations off: the figures are equalities of programs compiled alike and the compiled HLO's
-    # collectives, which XLA's HLO passes place before LLVM runs; each tiny program compiles in about half the time
-    flags = "--xla_backend_optimization_level=0"
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {flags}" if devices > 1 else flags}
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""}
     args = json.dumps({name: [*overrides, *extra] for name, overrides in cases.items()})
     helper = "tests/helpers/grad_accum_check.py"
     result = subprocess.run([sys.executable, helper, args], cwd=ROOT, text=True, capture_output=True,

@@ -20,10 +20,6 @@ from MaxOffload.parallel.pipeline import Pipeline
 
 
 EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-# tests/helpers/pipeline_check.py's process: LLVM's optimizations off. Its figures are equalities of two programs
-# compiled alike and the timeline of the compiled HLO, which XLA's HLO passes make before LLVM (the same text with
-# and without the flag); each tiny program compiles in about half the time (the DeepSeek cases: 233 -> ~120 s CPU)
-CHECK = {**EIGHT, "XLA_FLAGS": EIGHT["XLA_FLAGS"] + " --xla_backend_optimization_level=0"}
 LLAMA = ["configs/llama3_1.py:tiny", "model.num_layers=4"]
 DEEPSEEK = ["configs/deepseek_v3.py:tiny", "model.num_layers=5", "model.mtp_depth=1"]  # 1 dense, 4 MoE layers
 MESHES = {"stage2 fsdp4": ["mesh.ici.stage=2", "mesh.ici.fsdp=4"],
@@ -80,7 +76,7 @@ def stage_cases(family, model):
 def check_stages_equal_one_device(cases):
     helper = "tests/helpers/pipeline_check.py"
     result = subprocess.run([sys.executable, helper, json.dumps(cases)], cwd=ROOT, text=True, capture_output=True,
-                            env=process_env([helper], CHECK), timeout=1200)
+                            env=process_env([helper], EIGHT), timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     for name, diff in found.items():
