@@ -82,8 +82,9 @@ def test_fingerprints_differ_by_code_and_jax_and_the_line_names_them():
 
 
 def test_a_stopped_process_is_named_within_the_bound(tmp_path):
-    """Process 1 is SIGSTOPped mid-run (a frozen node): process 0 ends after half the heartbeat timeout (+ a check),
-    with one line naming process 1 and the step, exit 1 — not JAX's abort after the whole heartbeat timeout."""
+    """Process 1 is SIGSTOPped mid-run (a frozen node): process 0 ends after a quarter of the heartbeat timeout
+    (+ a check), with one line naming process 1 and the step, exit 1 — not JAX's abort, which comes half to all of the
+    heartbeat timeout after the freeze (a process sends JAX's heartbeat every half timeout)."""
     port = free_port_pair()
 
     def start(rank):
@@ -102,13 +103,13 @@ def test_a_stopped_process_is_named_within_the_bound(tmp_path):
         stopped = time.monotonic()
         leader.stdout.read()
         code, err = leader.wait(timeout=90), leader.stderr.read()
-        assert time.monotonic() - stopped < 35  # silent for 20 s, checked every 2 s; JAX's own heartbeat: 40 s
+        assert time.monotonic() - stopped < 18  # silent for 10 s, checked every 2 s; JAX's own heartbeat: 20-40 s
     finally:
         member.kill()
         member.wait()
     assert code == 1, err[-2000:]
     assert len(err.strip().splitlines()) == 1, err[-2000:]
-    assert err.startswith("error: process 0 of 2: process 1 stopped answering (no heartbeat for 20 s) during step "), err
+    assert err.startswith("error: process 0 of 2: process 1 stopped answering (no heartbeat for 10 s) during step "), err
 
 
 def test_the_watchdog_names_a_silent_coordinator_and_a_section_past_its_timeout():
@@ -200,15 +201,15 @@ def test_slurm_restarts_a_killed_and_a_hung_task_in_place(slurm, tmp_path, compi
     the same allocation; the run resumes from its last checkpoint and ends with losses bit-identical to an
     uninterrupted run of the same job; its goodput records the restart."""
     args = [*TINY, "train.steps=60", "checkpoint.every_steps=5", "train.eval_every=0", "run.log_every=1",
-            "distributed.heartbeat_timeout_s=16", "distributed.straggler_window_steps=20",
+            "distributed.heartbeat_timeout_s=32", "distributed.straggler_window_steps=20",
             # a wide factor: this test's subject is the restarts, and beside the other CI worker an uninterrupted run's
             # device probes once differed 2.3x (17.4 vs 7.6 ms, 2026-12-07); the straggler test names a slow process
             "distributed.straggler_factor=4"]
     env = dict(os.environ, MAXOFFLOAD_CPU_DEVICES_PER_TASK="2", PYTHON=sys.executable, **compile_cache)
     env.pop("XLA_FLAGS", None)
     reference = tmp_path / "uninterrupted"
-    # the reference run with a long heartbeat: nothing in it is frozen, and beside the other CI worker JAX's own 16 s
-    # heartbeat once ended it in its start-up (rehearsal of 2026-12-07, run 14); its losses do not depend on it
+    # the reference run with a long heartbeat: nothing in it is frozen, and beside the other CI worker JAX's own
+    # heartbeat (then 16 s) once ended it in its start-up (rehearsal of 2026-12-07, run 14); its losses do not depend on it
     calm = [a if not a.startswith("distributed.heartbeat_timeout_s=") else "distributed.heartbeat_timeout_s=100"
             for a in args]
     result = subprocess.run(["bash", LOCAL, "2", *calm, f"run.output_dir={reference}"], cwd=ROOT, env=env,

@@ -125,7 +125,7 @@ SCHEMA = {
                                  "task per node, all visible GPUs"),
         "initialization_timeout_s": (300, "give up (with a message) if the processes have not met by then"),
         "heartbeat_timeout_s": (100, "a peer silent this long is dead: the job ends with a message, no hang (the "
-                                     "watchdog names a process silent for half of it: docs/faults.md)"),
+                                     "watchdog names a process silent for a quarter of it: docs/faults.md)"),
         "compile_timeout_s": (3600, "the watchdog ends the job, naming the section, when compiling (or an "
                                     "evaluation) runs longer (0: no limit)"),
         "step_timeout_s": (0, "... when a training step runs longer; 0 = 20 x the median of the steps so far, at least "

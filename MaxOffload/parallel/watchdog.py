@@ -4,8 +4,8 @@ with one line naming who and where, instead of hanging or ending in XLA's C++ ab
 Two threads. `beat` puts a counter in the coordinator's key-value store every second (jax.distributed's: a
 SIGSTOPped or hung process stops counting). `watch` reads everybody's counters every CHECK_S seconds and ends this
 process when
-  - a peer's counter has not moved for `silent_s` (default half of distributed.heartbeat_timeout_s: before JAX's
-    own heartbeat ends the job with a stack trace): "process 3 stopped answering ...";
+  - a peer's counter has not moved for `silent_s` (SILENT_SHARE, a quarter, of distributed.heartbeat_timeout_s: before
+    JAX's own heartbeat ends the job with a stack trace): "process 3 stopped answering ...";
   - the coordinator (process 0) does not answer the read within `silent_s`: "process 0, the coordinator, does not
     answer ...";
   - the section this process is in (compiling, a training step, a checkpoint save) has run past its timeout while
@@ -19,6 +19,10 @@ import threading
 import time
 
 HUNG = 1  # errors.py: the run stopped on what it found
+# JAX's coordination service declares a task dead when its last heartbeat is older than the timeout, and a task sends
+# one every half timeout (XLA's coordination_service_agent.cc): a task frozen just before its next heartbeat is declared
+# dead half a timeout after it froze. The watchdog speaks first: after a quarter, plus a beat and a check.
+SILENT_SHARE = 0.25
 CHECK_S = 2.0
 PREFIX = "maxoffload/heartbeat/"
 
@@ -140,4 +144,4 @@ def start(rank, count, heartbeat_timeout_s):
     """The watchdog of this process: its peers watched through jax.distributed's client where there is one."""
     from MaxOffload.parallel.host_sync import coordination_client
 
-    return Watchdog(rank, count, heartbeat_timeout_s / 2, coordination_client() if count > 1 else None)
+    return Watchdog(rank, count, heartbeat_timeout_s * SILENT_SHARE, coordination_client() if count > 1 else None)
