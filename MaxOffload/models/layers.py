@@ -34,6 +34,31 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+@jax.custom_vjp
+def gated_silu(gate, up):
+    """silu(gate) * up, the SwiGLU's gate. Its backward writes d(gate) and d(up) out once (an optimization
+    barrier), so that the GEMMs reading them (the inputs' gradients and wi_0/wi_1's weight gradients) do not each
+    recompute the sigmoid inside their operand fusion: on TPUs that recomputation held those GEMMs at 137-177 of
+    the v5e's 197 TFLOP/s."""
+    return jax.nn.silu(gate) * up
+
+
+def _gated_silu_fwd(gate, up):
+    return gated_silu(gate, up), (gate, up)
+
+
+def _gated_silu_bwd(residuals, grad):
+    gate, up = residuals
+    g, x, u = (a.astype(jnp.float32) for a in (grad, gate, up))
+    sig = jax.nn.sigmoid(x)
+    d_up = g * x * sig
+    d_gate = g * u * sig * (1.0 + x * (1.0 - sig))
+    return jax.lax.optimization_barrier((d_gate.astype(gate.dtype), d_up.astype(up.dtype)))
+
+
+gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
+
+
 class SwiGLU(nnx.Module):
     def __init__(self, *, emb_dim, mlp_dim, param_dtype, init_std, rngs, ctx=DEFAULT):
         self.ctx = ctx
@@ -46,5 +71,5 @@ class SwiGLU(nnx.Module):
         ctx = self.ctx
         gate = ctx.tag(ctx.project(x, self.wi_0, None, components.MLP), names.MLPWI_0)
         up = ctx.tag(ctx.project(x, self.wi_1, None, components.MLP), names.MLPWI_1)
-        out = ctx.project(jax.nn.silu(gate) * up, self.wo, None, components.MLP)
+        out = ctx.project(gated_silu(gate, up), self.wo, None, components.MLP)
         return ctx.tag(ctx.constrain(out, BATCH_LENGTH_EMBED), names.MLPWO)

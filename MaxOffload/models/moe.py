@@ -26,7 +26,7 @@ from flax import nnx
 
 from MaxOffload.models import components, exchange as exchange_lib
 from MaxOffload.models.exchange import capacity_positions
-from MaxOffload.models.layers import BATCH_LENGTH_EMBED, SwiGLU, param
+from MaxOffload.models.layers import BATCH_LENGTH_EMBED, SwiGLU, gated_silu, param
 from MaxOffload.models.model_context import DEFAULT
 from MaxOffload.offload import names
 
@@ -43,7 +43,7 @@ def routed_experts(x, experts, gates, positions, wi_0, wi_1, wo, capacity, ctx=D
     rows, (row, sizes) = ctx.tag(rows, names.MOE_ROWS), names.tag((row, sizes), names.MOE_ROWS)
     gate = ctx.tag(ep.matmul_in(rows, wi_0, sizes), names.MOE_MLPWI_0)
     up = ctx.tag(ep.matmul_in(rows, wi_1, sizes), names.MOE_MLPWI_1)
-    out = ctx.tag(ep.matmul_out(jax.nn.silu(gate) * up, wo, sizes), names.MOE_MLPWO)
+    out = ctx.tag(ep.matmul_out(gated_silu(gate, up), wo, sizes), names.MOE_MLPWO)
     return ep.combine(out, row, gates), dropped.sum()
 
 

@@ -34,11 +34,12 @@ def rope_inv_freq(head_dim, theta, scaling="none", factor=8.0, low_freq_factor=1
 
 
 def apply_rope(x, positions, inv_freq):
-    """Rotary embedding ("rotate half" layout). x: [batch, length, heads, head_dim]."""
+    """Rotary embedding ("rotate half" layout). x: [batch, length, heads, head_dim]. The angles, their sines and
+    cosines are float32; the rotation runs in x's dtype, as in transformers (cos and sin cast to x's dtype)."""
     angles = positions[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]  # [b, l, d/2]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    sin, cos = (f(angles)[:, :, None, :].astype(x.dtype) for f in (jnp.sin, jnp.cos))
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def yarn_inv_freq(dim, theta, factor, original_max_len, beta_fast, beta_slow):
