@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import EIGHT_CPUS, ROOT, run_cli
 from MaxOffload.config import ConfigError, load
 from MaxOffload.models import cross_entropy
 
@@ -62,6 +62,6 @@ def test_the_model_loss_by_tiles_equals_whole_logits_and_never_holds_them():
     specs = [["configs/llama3_1.py:tiny", "mesh.ici.tensor=2", "mesh.ici.fsdp=4"],
              ["configs/deepseek_v3.py:tiny", "model.mtp_depth=2", "model.num_layers=2"]]
     result = run_cli([os.path.join(ROOT, "tests", "helpers", "cross_entropy_check.py"), json.dumps(specs)],
-                     env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                     env=EIGHT_CPUS)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("equal:") == 2, result.stdout

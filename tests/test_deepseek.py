@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ROOT, process_env
+from conftest import EIGHT_CPUS as EIGHT, ROOT, process_env
 from test_model import checkpoint_names  # the jaxpr walker, itself tested there
 from MaxOffload import from_config
 from MaxOffload import models
@@ -27,8 +27,6 @@ from MaxOffload.models.positions import Positions
 from MaxOffload.models.rope import yarn_inv_freq
 from MaxOffload.train.flops import train_flops_per_step
 
-# the mesh runs' processes (tests/helpers/deepseek_mesh_losses.py); process_env adds conftest.FAST_COMPILE
-EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 TINY = "configs/deepseek_v3.py:tiny"
 PUBLISHED_671B = 671.0e9  # the main model; the released checkpoint adds a 14B MTP module (685B: test_mtp.py)
 # two processes, one per core: dropless and capacity mode, each against its single-device reference

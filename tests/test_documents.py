@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ROOT, process_env, run_cli
+from conftest import EIGHT_CPUS, ROOT, process_env, run_cli
 from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.data import tokenized
@@ -103,9 +103,8 @@ def test_documents_over_load_balanced_context_shards_equal_one_device(tmp_path):
     case = ["configs/deepseek_v3.py:tiny", "mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.context_load_balance=true",
             "model.attention=xla", f"data.text_files=[{','.join(map(str, files))}]"]
     helper = "tests/helpers/documents_check.py"
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     result = subprocess.run([sys.executable, helper, json.dumps({"deepseek": case})], cwd=ROOT, text=True,
-                            capture_output=True, env=process_env([helper], env), timeout=900)
+                            capture_output=True, env=process_env([helper], EIGHT_CPUS), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])["deepseek"]
     assert found["boundaries"] >= 4, found  # the batch's rows hold several documents

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, process_env
+from conftest import EIGHT_CPUS, ROOT, process_env
 from MaxOffload import from_config
 from MaxOffload.config import load
 from MaxOffload.models import components, exchange, matmul, routing
@@ -192,7 +192,7 @@ print(json.dumps(counts))
 def test_saving_the_dispatched_rows_spares_the_backward_the_exchange():
     """moe_rows (the rows a device holds for its experts and where they came from) saved: the backward pass does
     not dispatch again, one all-to-all of rows (and its indices) fewer in the traced step on 8 expert ranks."""
-    env = process_env([], {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    env = process_env([], EIGHT_CPUS)
     out = subprocess.run([sys.executable, "-c", ROWS_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

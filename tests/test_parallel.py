@@ -6,9 +6,8 @@ import os
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import EIGHT_CPUS as EIGHT, ROOT, run_cli
 
-EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=32", "train.per_device_batch_size=1",
         "model.compute_dtype=float32"]
 MESHES = {

@@ -13,13 +13,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, process_env, run_cli
+from conftest import EIGHT_CPUS as EIGHT, ROOT, process_env, run_cli
 from MaxOffload.errors import ConfigError
 from MaxOffload.parallel import pipeline
 from MaxOffload.parallel.pipeline import Pipeline
 
 
-EIGHT = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 LLAMA = ["configs/llama3_1.py:tiny", "model.num_layers=4"]
 DEEPSEEK = ["configs/deepseek_v3.py:tiny", "model.num_layers=5", "model.mtp_depth=1"]  # 1 dense, 4 MoE layers
 MESHES = {"stage2 fsdp4": ["mesh.ici.stage=2", "mesh.ici.fsdp=4"],

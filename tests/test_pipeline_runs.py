@@ -6,14 +6,14 @@ import shutil
 
 import pytest
 
-from conftest import run_cli
+from conftest import EIGHT_CPUS, run_cli
 from test_checkpoint import losses
-from test_pipeline import EIGHT, LLAMA
+from test_pipeline import LLAMA
 
 
 # train.py on 8 CPU devices (run_cli adds conftest.FAST_COMPILE): every loss is compared with another run's compiled
 # alike; the few steps of a tiny model run in far less time than they compile
-def train(args, out, env=EIGHT):
+def train(args, out, env=EIGHT_CPUS):
     result = run_cli(["train.py", *args, f"run.output_dir={out}"], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
