@@ -15,7 +15,6 @@ from conftest import run_cli
 from test_checkpoint import losses, sigterm_and_resume
 from MaxOffload import models, from_config
 from MaxOffload.config import ConfigError, load
-from MaxOffload.models import deepseek
 from MaxOffload.models.positions import Positions
 from MaxOffload.offload import placement
 

@@ -130,7 +130,7 @@ def test_a_tensorboard_directory_that_cannot_be_written_is_one_line(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 6 MiB tmpfs (a full disk for real: tensorstore's own writes fail with ENOSPC)."""
-    with small_filesystem(str(tmp_path / "disk"), "6m") as disk:
+    with small_filesystem(str(tmp_path / "disk"), "6m"):
         yield tmp_path / "disk"
 
 

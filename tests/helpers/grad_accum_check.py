@@ -47,7 +47,6 @@ def max_abs(a, b):
 
 
 def compare(overrides):
-    devices = jax.device_count()
     common = [*overrides, "model.compute_dtype=float32", f"train.seq_len={SEQ}"]
     micro_cfg = load([*common, f"train.per_device_batch_size={ROWS}", f"train.grad_accum_steps={K}"])
     whole_cfg = load([*common, f"train.per_device_batch_size={K * ROWS}"])
