@@ -20,8 +20,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 138 -> 88 s, tests/test_training.py 48 -> 33 s, one deviceless GB200 compile 28 -> 26 s (2026-12-07). Every
 # equality a test checks is between programs compiled alike.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-# the environment of a process that runs on 8 CPU devices (process_env and run_cli add FAST_COMPILE)
-EIGHT_CPUS = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+def cpu_devices(count):
+    """The environment of a process that runs on `count` CPU devices (process_env and run_cli add FAST_COMPILE)."""
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
+
+
+EIGHT_CPUS = cpu_devices(8)
 
 
 def with_fast_compile(flags):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import EIGHT_CPUS, ROOT, process_env, run_cli
+from conftest import EIGHT_CPUS, ROOT, cpu_devices, process_env, run_cli
 from MaxOffload.train import rundir
 
 TINY = ["configs/llama3_1.py:tiny", "train.seq_len=32", "train.per_device_batch_size=2", "train.warmup_steps=2",
@@ -243,12 +243,12 @@ def test_integrity_manifests_of_any_number_of_processes_are_all_checked(tmp_path
 
 def test_restore_on_a_different_mesh_gives_identical_parameters(tmp_path):
     base = [*TINY, "train.steps=3", f"run.output_dir={tmp_path}"]
-    four = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     sharded = [*base, "mesh.ici.fsdp=8", "train.per_device_batch_size=1"]
     assert run_cli(["train.py", *sharded], env=EIGHT_CPUS).returncode == 0
     digest = os.path.join(ROOT, "tests", "helpers", "checkpoint_digest.py")
     saved = run_cli([digest, *sharded], env=EIGHT_CPUS)
-    moved = run_cli([digest, *base, "mesh.ici.data=4", "mesh.ici.fsdp=1", "train.per_device_batch_size=2"], env=four)
+    moved = run_cli([digest, *base, "mesh.ici.data=4", "mesh.ici.fsdp=1", "train.per_device_batch_size=2"],
+                    env=cpu_devices(4))
     assert saved.returncode == 0 and moved.returncode == 0, saved.stderr + moved.stderr
     a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (saved, moved))
     assert a["mesh"]["fsdp"] == 8 and b["mesh"]["data"] == 4 and a["step"] == b["step"] == 3
